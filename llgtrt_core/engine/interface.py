@@ -1,0 +1,118 @@
+"""The one engine interface: both engines (PyTorch, TensorRT-LLM) implement it, and the
+serving layer and the constraint code only ever talk to it.
+
+A request goes in as token ids plus sampling parameters and an optional constraint; token
+deltas come out as an async stream. Constraints are applied by one engine-wide
+`LogitsPostProcessor`, called once per engine step for every constrained row, so mask work
+for the whole batch can run in parallel (llgtrt's design, TensorRT-LLM's batched processor).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Literal, Optional, Protocol, Sequence
+
+import torch
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding controls, already validated by the serving layer."""
+
+    max_tokens: int
+    temperature: float = 1.0  # 0 means greedy (argmax)
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: Optional[int] = None  # per-request generator: reproducible whatever the batch holds
+    stop_token_ids: frozenset[int] = frozenset()  # EOS and friends; the token is not emitted
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Constraint(Protocol):
+    """Per-request constraint state (an llguidance matcher underneath).
+
+    The engine never looks inside; it hands the object to its `LogitsPostProcessor` and reads
+    `error` after each post-processing call to end a request whose grammar failed.
+    """
+
+    @property
+    def error(self) -> Optional[str]: ...
+
+
+@dataclass(frozen=True)
+class ConstrainedRow:
+    """One constrained sequence in this step's logits."""
+
+    constraint: Constraint
+    row: int  # index into the step's logits
+    new_token: Optional[int]  # token sampled for it last step (not yet committed); None at the first step
+
+
+class LogitsPostProcessor(Protocol):
+    """Masks this step's logits in place for every constrained row, in one batched call.
+
+    `logits` is (batch, vocab) float; rows not listed must not be touched. Called on the
+    engine's compute stream (`stream` is the CUDA stream to enqueue GPU work on, None on CPU).
+    """
+
+    def __call__(
+        self,
+        rows: Sequence[ConstrainedRow],
+        logits: torch.Tensor,
+        stream: Optional[torch.cuda.Stream] = None,
+    ) -> None: ...
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    constraint: Optional[Constraint] = None
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of one request since the last delta; `finish_reason` is set on the last one."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[FinishReason] = None
+    error: Optional[str] = None  # set when finish_reason == "error"
+
+
+class EngineError(Exception):
+    """A request the engine cannot take (bad prompt length, engine shut down)."""
+
+
+class Engine(abc.ABC):
+    """Runs requests with continuous batching; every method is called from the event loop."""
+
+    vocab_size: int  # width of the logits (may exceed the tokenizer's vocabulary)
+    max_model_len: int  # prompt + completion tokens one sequence may hold
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load weights and start the step loop."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Abort everything in flight and release the device."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        """Submit a request; iterate its deltas. Closing the iterator early aborts the request."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """End a request now; its stream ends with finish_reason "abort"."""
+
+    @property
+    @abc.abstractmethod
+    def num_active(self) -> int:
+        """Requests submitted and not yet finished (running or waiting)."""

@@ -1,0 +1,19 @@
+"""What the HTTP layer needs of a loaded model: its name, tokenizer, engine and grammars."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from llgtrt_core.constraints.grammar import GrammarCompiler
+    from llgtrt_core.engine.interface import Engine
+    from llgtrt_core.tokenizer import Tokenizer
+
+
+@dataclass
+class ModelRuntime:
+    model_name: str  # the id /v1/models reports and requests must name
+    tokenizer: "Tokenizer"
+    engine: "Engine"
+    grammars: Optional["GrammarCompiler"] = None  # None: constraints unavailable
