@@ -1,0 +1,71 @@
+"""A KV cache with one slot per running sequence.
+
+Layout per layer: (slots, kv_heads, capacity, head_dim). Running sequences occupy slots
+0..n-1 (the engine compacts on removal), so decode attends over a view of the first n slots
+without gathering. Capacity grows by doubling up to the context length, so a server that
+only sees short prompts never holds memory for long ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INITIAL_CAPACITY = 256
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.capacity = min(INITIAL_CAPACITY, max_len)
+        shape = (num_slots, num_kv_heads, self.capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def reserve(self, length: int) -> None:
+        """Make room for `length` positions in every slot (doubling, capped at max_len)."""
+        if length <= self.capacity:
+            return
+        if length > self.max_len:
+            raise ValueError(f"sequence of {length} tokens exceeds the cache's {self.max_len}")
+        new_capacity = self.capacity
+        while new_capacity < length:
+            new_capacity *= 2
+        new_capacity = min(new_capacity, self.max_len)
+        for tensors in (self.keys, self.values):
+            for layer, old in enumerate(tensors):
+                grown = old.new_zeros(old.shape[0], old.shape[1], new_capacity, old.shape[3])
+                grown[:, :, : self.capacity] = old
+                tensors[layer] = grown
+        self.capacity = new_capacity
+
+    def write_prefill(self, layer: int, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys/values: (kv_heads, seq, head_dim) for positions 0..seq-1 of one slot."""
+        length = keys.shape[1]
+        self.keys[layer][slot, :, :length] = keys
+        self.values[layer][slot, :, :length] = values
+
+    def write_decode(
+        self, layer: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one position for each of the first n slots; return their keys/values up to key_len."""
+        n = positions.shape[0]
+        slots = torch.arange(n, device=positions.device)
+        self.keys[layer][slots, :, positions] = keys
+        self.values[layer][slots, :, positions] = values
+        return self.keys[layer][:n, :, :key_len], self.values[layer][:n, :, :key_len]
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy slot src's first `length` positions into slot dst (compaction after a removal)."""
+        for tensors in (self.keys, self.values):
+            for layer_tensor in tensors:
+                layer_tensor[dst, :, :length] = layer_tensor[src, :, :length]

@@ -1,0 +1,289 @@
+"""The embedded PyTorch engine: continuous batching over a slot KV cache, CPU or CUDA.
+
+One background thread owns the model and runs steps; the event loop only submits, aborts
+and reads deltas. A step decodes one token for every running sequence, prefills the requests
+admitted since the last step, masks every constrained row in one post-processor call, samples,
+and hands each request its token. Finished or aborted sequences leave between steps and the
+last slot moves into the hole, so running sequences always fill slots 0..n-1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Callable, Optional
+
+import torch
+
+from llgtrt_core.engine.interface import (
+    ConstrainedRow,
+    Engine,
+    EngineError,
+    FinishReason,
+    GenerationRequest,
+    LogitsPostProcessor,
+    TokenDelta,
+)
+from llgtrt_core.engine.kv_cache import KVCache
+from llgtrt_core.engine.sampler import sample
+from llgtrt_core.models.loader import load_config, load_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TorchEngineConfig:
+    max_batch_size: int = 8
+    max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
+    device: Optional[str] = None  # default: cuda when available, else cpu
+    dtype: Optional[str] = None  # default: bfloat16 on cuda, float32 on cpu
+
+    def resolve_device(self) -> torch.device:
+        return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype:
+            return getattr(torch, self.dtype)
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    emit: Callable[[TokenDelta], None]  # thread-safe: puts the delta on the request's asyncio queue
+    generator: torch.Generator
+    length: int = 0  # positions held in the KV cache
+    num_generated: int = 0
+    pending_token: Optional[int] = None  # sampled last step, fed to the model this step
+    uncommitted_token: Optional[int] = None  # sampled last step, not yet seen by the constraint
+
+
+_STOP = object()
+
+
+class TorchEngine(Engine):
+    def __init__(
+        self,
+        model_dir: Path,
+        config: TorchEngineConfig = TorchEngineConfig(),
+        post_processor: Optional[LogitsPostProcessor] = None,
+    ):
+        self.model_dir = Path(model_dir)
+        self.config = config
+        self.post_processor = post_processor
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        model_config = load_config(self.model_dir)
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._active: set[str] = set()
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []  # index i occupies cache slot i
+        self._thread: Optional[threading.Thread] = None
+        self.model = None
+        self.cache: Optional[KVCache] = None
+
+    # ---- event-loop side -------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.model = await asyncio.to_thread(load_model, self.model_dir, self.max_model_len, self.dtype, self.device)
+        cfg = self.model.config
+        self.cache = KVCache(cfg.num_layers, self.config.max_batch_size, cfg.num_kv_heads, cfg.head_dim,
+                             self.max_model_len, self.dtype, self.device)
+        self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
+        self._thread.start()
+        logger.info("torch engine ready: %s on %s, batch %d, context %d",
+                    cfg.architecture, self.device, self.config.max_batch_size, self.max_model_len)
+
+    async def shutdown(self) -> None:
+        if self._thread is None:
+            return
+        self._commands.put((_STOP, None))
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        self._validate(request)
+        if self._thread is None:
+            raise EngineError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[TokenDelta] = asyncio.Queue()
+
+        def emit(delta: TokenDelta) -> None:
+            try:
+                loop.call_soon_threadsafe(deltas.put_nowait, delta)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass
+
+        generator = torch.Generator(self.device)
+        if request.sampling.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(request.sampling.seed)
+        self._active.add(request.request_id)
+        self._commands.put(("add", _Sequence(request, emit, generator)))
+        finished = False
+        try:
+            while not finished:
+                delta = await deltas.get()
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            self._active.discard(request.request_id)
+            if not finished:  # the consumer went away: free the slot
+                self.abort(request.request_id)
+
+    def _validate(self, request: GenerationRequest) -> None:
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len == 0:
+            raise EngineError("the prompt is empty")
+        if prompt_len >= self.max_model_len:
+            raise EngineError(f"the prompt has {prompt_len} tokens; this model's context is {self.max_model_len}")
+        if request.sampling.max_tokens < 1:
+            raise EngineError("max_tokens must be at least 1")
+
+    # ---- engine thread ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            idle = not self._running and not self._waiting
+            if not self._drain_commands(block=idle):
+                break
+            if not self._running and not self._waiting:
+                continue
+            try:
+                self._step()
+            except Exception as exc:  # a broken step must not kill the server: fail what was in it
+                logger.exception("engine step failed")
+                for seq in list(self._running):
+                    self._finish(seq, "error", error=f"engine step failed: {exc}")
+                self._running.clear()
+        for seq in [*self._running, *self._waiting]:
+            seq.emit(TokenDelta(finish_reason="abort"))
+        self._running.clear()
+        self._waiting.clear()
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued adds and aborts; False once shutdown was asked for."""
+        while True:
+            try:
+                kind, payload = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind is _STOP:
+                return False
+            if kind == "add":
+                self._waiting.append(payload)
+            else:
+                self._abort_now(payload)
+
+    def _abort_now(self, request_id: str) -> None:
+        for seq in self._waiting:
+            if seq.request.request_id == request_id:
+                self._waiting.remove(seq)
+                seq.emit(TokenDelta(finish_reason="abort"))
+                return
+        for index, seq in enumerate(self._running):
+            if seq.request.request_id == request_id:
+                seq.emit(TokenDelta(finish_reason="abort"))
+                self._remove(index)
+                return
+
+    def _step(self) -> None:
+        logits = []
+        if self._running:
+            logits.append(self._decode())
+        while self._waiting and len(self._running) < self.config.max_batch_size:
+            seq = self._waiting.popleft()
+            logits.append(self._prefill(seq, slot=len(self._running)).unsqueeze(0))
+            self._running.append(seq)
+        step_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
+        self._constrain(step_logits)
+        tokens = sample(step_logits, [s.request.sampling for s in self._running],
+                        [s.generator for s in self._running]).tolist()
+        finished: list[int] = []
+        for index, (seq, token) in enumerate(zip(self._running, tokens)):
+            reason = self._advance(seq, token)
+            if reason is not None:
+                finished.append(index)
+        for index in reversed(finished):
+            self._remove(index)
+
+    def _decode(self) -> torch.Tensor:
+        positions = [seq.length for seq in self._running]
+        key_len = max(positions) + 1
+        self.cache.reserve(key_len)
+        token_ids = torch.tensor([seq.pending_token for seq in self._running], device=self.device)
+        logits = self.model.decode(token_ids, torch.tensor(positions, device=self.device), key_len, self.cache)
+        for seq in self._running:
+            seq.length += 1
+        return logits
+
+    def _prefill(self, seq: _Sequence, slot: int) -> torch.Tensor:
+        prompt = seq.request.prompt_token_ids
+        self.cache.reserve(len(prompt))
+        logits = self.model.prefill(torch.tensor(prompt, device=self.device), self.cache, slot)
+        seq.length = len(prompt)
+        return logits
+
+    def _constrain(self, logits: torch.Tensor) -> None:
+        """One post-processor call for every constrained row; a row whose grammar failed ends with an error."""
+        rows = [
+            ConstrainedRow(seq.request.constraint, index, seq.uncommitted_token)
+            for index, seq in enumerate(self._running)
+            if seq.request.constraint is not None
+        ]
+        if not rows:
+            return
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        self.post_processor(rows, logits, stream)
+        for row in rows:
+            self._running[row.row].uncommitted_token = None
+
+    def _advance(self, seq: _Sequence, token: int) -> Optional[FinishReason]:
+        """Hand the sampled token to its request; return a finish reason when the sequence is done."""
+        constraint = seq.request.constraint
+        if constraint is not None and constraint.error is not None:
+            self._finish(seq, "error", error=constraint.error)
+            return "error"
+        sampling = seq.request.sampling
+        if token in sampling.stop_token_ids:
+            self._finish(seq, "stop")
+            return "stop"
+        seq.num_generated += 1
+        # The context bounds prompt + completion; the prompt and all but this token are cached.
+        if seq.num_generated >= sampling.max_tokens or seq.length + 1 >= self.max_model_len:
+            self._finish(seq, "length", [token])
+            return "length"
+        seq.emit(TokenDelta([token]))
+        seq.pending_token = token
+        if constraint is not None:
+            seq.uncommitted_token = token
+        return None
+
+    def _finish(self, seq: _Sequence, reason: FinishReason, token_ids: Optional[list[int]] = None,
+                error: Optional[str] = None) -> None:
+        seq.emit(TokenDelta(token_ids or [], reason, error))
+
+    def _remove(self, index: int) -> None:
+        """Free slot `index`, moving the last running sequence into it."""
+        last = len(self._running) - 1
+        if index != last:
+            self.cache.move(last, index, self._running[last].length)
+            self._running[index] = self._running[last]
+        self._running.pop()
