@@ -1,0 +1,140 @@
+"""From engine token deltas to per-choice text updates, for one request's choices at once.
+
+Each choice is one engine request. Its token ids go through the incremental detokenizer, then the
+stop-string matcher; a stop string ends the choice at once (closing the engine stream aborts the
+engine request). Closing any of these iterators early, from a client disconnect for instance,
+closes the engine streams beneath it, which frees their slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import AsyncIterator, Literal, Optional, Sequence, TypeVar
+
+import anyio
+
+from llgtrt_core.api.errors import APIError
+from llgtrt_core.detokenizer import IncrementalDetokenizer
+from llgtrt_core.engine.interface import Engine, EngineError, GenerationRequest, TokenDelta
+from llgtrt_core.stop_strings import StopStringMatcher
+from llgtrt_core.tokenizer import Tokenizer
+
+T = TypeVar("T")
+
+
+class GenerationFailed(APIError):
+    """The engine ended a request with an error (or aborted it on its own)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, status_code=500)
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    stop_strings: Sequence[str] = ()
+    include_stop_string: bool = False
+    skip_special_tokens: bool = True
+
+
+@dataclass(frozen=True)
+class ChoiceUpdate:
+    """One step of one choice. The last update of a choice carries its finish reason."""
+
+    index: int
+    text: str  # new text since the previous update of this choice (may be empty on the last)
+    finish_reason: Optional[Literal["stop", "length"]]  # set on the last update only
+    num_generated_tokens: int  # so far, for usage
+
+
+async def close_quietly(iterator: AsyncIterator[object]) -> None:
+    """Close an async iterator even inside a cancelled scope (a disconnect cancels the handler)."""
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        with anyio.CancelScope(shield=True):
+            await aclose()
+
+
+async def run_choice(
+    engine: Engine, tokenizer: Tokenizer, index: int, request: GenerationRequest, options: TextOptions
+) -> AsyncIterator[ChoiceUpdate]:
+    detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, options.skip_special_tokens)
+    matcher = StopStringMatcher(options.stop_strings, options.include_stop_string)
+    try:
+        deltas: AsyncIterator[TokenDelta] = engine.generate(request)
+    except EngineError as e:  # the engine refused the request (it checks what we could not)
+        raise APIError(str(e)) from e
+    num_generated = 0
+    try:
+        async for delta in deltas:
+            if delta.finish_reason in ("error", "abort"):
+                raise GenerationFailed(delta.error or f"the engine ended the request ({delta.finish_reason})")
+            num_generated += len(delta.token_ids)
+            text = matcher.feed(detokenizer.add(delta.token_ids))
+            if delta.finish_reason is not None and not matcher.stopped:
+                text += matcher.feed(detokenizer.flush())
+                text += matcher.flush()
+            if matcher.stopped:
+                yield ChoiceUpdate(index, text, "stop", num_generated)
+                return
+            if delta.finish_reason is not None:
+                yield ChoiceUpdate(index, text, delta.finish_reason, num_generated)
+                return
+            if text:
+                yield ChoiceUpdate(index, text, None, num_generated)
+        raise GenerationFailed("the engine stream ended without a finish reason")
+    except EngineError as e:  # raised on the first step when generate() is an async generator
+        raise APIError(str(e)) from e
+    finally:
+        await close_quietly(deltas)
+
+
+@dataclass
+class ChoiceResult:
+    text: str = ""
+    finish_reason: Optional[Literal["stop", "length"]] = None
+    num_generated_tokens: int = 0
+
+
+async def collect(updates: AsyncIterator[ChoiceUpdate], num_choices: int) -> list[ChoiceResult]:
+    """Whole texts of every choice (the non-streamed response)."""
+    results = [ChoiceResult() for _ in range(num_choices)]
+    async for update in updates:
+        result = results[update.index]
+        result.text += update.text
+        result.finish_reason = update.finish_reason
+        result.num_generated_tokens = update.num_generated_tokens
+    return results
+
+
+async def merge(iterators: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """Items of all iterators as they come; closing the merge closes every iterator."""
+    if len(iterators) == 1:  # the common case needs no tasks
+        try:
+            async for item in iterators[0]:
+                yield item
+        finally:
+            await close_quietly(iterators[0])
+        return
+    pending = {asyncio.ensure_future(anext(it)): it for it in iterators}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                iterator = pending.pop(future)
+                try:
+                    item = future.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterator))] = iterator
+                yield item
+    finally:
+        with anyio.CancelScope(shield=True):
+            for future in pending:
+                future.cancel()
+            # An iterator cannot be closed while its __anext__ task is still unwinding.
+            with contextlib.suppress(BaseException):
+                await asyncio.gather(*pending, return_exceptions=True)
+            for iterator in iterators:
+                await close_quietly(iterator)

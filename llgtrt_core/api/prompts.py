@@ -1,0 +1,84 @@
+"""Request prompts to token ids: chat messages through the model's template, or legacy prompts."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llgtrt_core.api.errors import APIError
+from llgtrt_core.api.protocol import (
+    ChatCompletionContentPartRefusal,
+    ChatCompletionContentPartText,
+    ChatCompletionMessageParam,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from llgtrt_core.chat_template import ChatTemplateError
+from llgtrt_core.tokenizer import Tokenizer
+
+
+def _message_text(message: ChatCompletionMessageParam, param: str) -> str:
+    """Content as one string (templates concatenate it); only text parts are supported."""
+    if message.content is None:
+        if message.role != "assistant":  # only an assistant turn (with tool calls) may omit it
+            raise APIError(f"content is required for a {message.role} message", param=f"{param}.content")
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for i, part in enumerate(message.content):
+        if isinstance(part, ChatCompletionContentPartText):
+            texts.append(part.text)
+        elif isinstance(part, ChatCompletionContentPartRefusal):
+            texts.append(part.refusal)
+        else:
+            raise APIError(f"content parts of type {part.type!r} are not supported by this model; send text",
+                           param=f"{param}.content[{i}]")
+    return "\n".join(texts)
+
+
+def _template_message(message: ChatCompletionMessageParam, param: str) -> dict[str, Any]:
+    as_dict = message.model_dump(exclude_none=True)
+    as_dict["content"] = _message_text(message, param)
+    for call in as_dict.get("tool_calls", []):
+        # Templates index into arguments as a mapping; the API sends a JSON string.
+        try:
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+        except json.JSONDecodeError:
+            pass
+    return as_dict
+
+
+def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    if tokenizer.chat_template is None:
+        raise APIError("this model has no chat template; use /v1/completions", param="messages")
+    messages = [_template_message(m, f"messages[{i}]") for i, m in enumerate(request.messages)]
+    try:
+        text = tokenizer.chat_template.render(
+            messages,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            extra_context=request.chat_template_kwargs,
+        )
+    except ChatTemplateError as e:
+        raise APIError(str(e), param="messages") from e
+    # The template writes BOS and friends itself.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:
+    """One token-id list per prompt: str | [str] | [int] | [[int]]."""
+    prompt = request.prompt
+    if isinstance(prompt, str) or (prompt and all(isinstance(p, str) for p in prompt)):
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        prompts = [tokenizer.encode(t, add_special_tokens=request.add_special_tokens) for t in texts]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = [list(p) for p in prompt]
+    if not prompts or any(not ids for ids in prompts):
+        raise APIError("prompt must not be empty", param="prompt")
+    for ids in prompts:
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise APIError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    return prompts

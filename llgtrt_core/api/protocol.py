@@ -1,0 +1,453 @@
+"""Pydantic models of the OpenAI Chat Completions / Completions / Models API, field by field.
+
+Shapes follow the official `openai` client's types; vLLM's extensions that users already send
+(sampling extras, `structured_outputs`, `guided_*`) are accepted too. Unknown fields are refused
+(OpenAI answers "Unrecognized request argument"), and known fields this server does not implement
+are listed by `unsupported_params()` so the caller can refuse them by name instead of ignoring them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """Clients send null for "not set" (`"n": null`); such fields take their default."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or fields[key].default is None}
+
+
+class ParamError(ValueError):
+    """A validation failure that knows which request parameter is at fault (for the error body)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+class OpenAIResponseModel(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(OpenAIResponseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(OpenAIResponseModel):
+    error: ErrorInfo
+
+
+# --------------------------------------------------------------------------- constraints
+
+
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    name: str = "response"
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema", "lark_grammar", "llguidance"]
+    json_schema: Optional[JsonSchemaResponseFormat] = None
+    lark_grammar: Optional[str] = None  # type == "lark_grammar"
+    grammar: Optional[str] = None  # type == "llguidance"
+
+
+class StructuredOutputsParams(OpenAIBaseModel):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: Optional[Union[str, dict[str, Any]]] = Field(default=None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    whitespace_pattern: Optional[str] = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    @property
+    def json(self) -> Optional[Union[str, dict[str, Any]]]:  # type: ignore[override]
+        return self.json_
+
+
+class ConstraintFields(OpenAIBaseModel):
+    """Every way a request can constrain its output; `llgtrt_core.constraints` reads these."""
+
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+
+    def constraint_param(self) -> Optional[str]:
+        """Name of the first field that asks for constrained output, None for free text."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        if self.structured_outputs is not None:
+            return "structured_outputs"
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return None
+
+
+# --------------------------------------------------------------------------- shared request fields
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+    include_obfuscation: bool = False  # we never pad deltas, so there is nothing to obfuscate
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Fields shared by chat and legacy completion requests (OpenAI's, then vLLM's extras)."""
+
+    model: Optional[str] = None  # None: the served model (vLLM)
+    n: int = Field(default=1, ge=1, le=128)
+    seed: Optional[int] = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    stop: Optional[Union[str, list[str]]] = Field(default=None)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # vLLM sampling extras
+    top_k: Optional[int] = Field(default=None, ge=-1)  # 0 or -1: no top-k cut
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: Optional[Union[str, list[str]]]) -> Optional[Union[str, list[str]]]:
+        stops = [stop] if isinstance(stop, str) else (stop or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stop
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ParamError("stream_options", "stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def _unsupported_sampling_params(self) -> list[str]:
+        in_use = {
+            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
+            "presence_penalty": self.presence_penalty not in (None, 0.0),
+            "logit_bias": bool(self.logit_bias),
+            "min_p": self.min_p not in (None, 0.0),
+            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
+            "min_tokens": self.min_tokens != 0,
+        }
+        return [name for name, used in in_use.items() if used]
+
+
+# --------------------------------------------------------------------------- chat request
+
+
+class ChatCompletionContentPartText(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatCompletionContentPartRefusal(OpenAIBaseModel):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class ChatCompletionContentPartOther(BaseModel):
+    """Images, audio and files: accepted by the schema, refused with a clear message."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_audio", "file", "video_url", "audio_url"]
+
+
+ChatCompletionContentPart = Union[
+    ChatCompletionContentPartText, ChatCompletionContentPartRefusal, ChatCompletionContentPartOther
+]
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class ChatCompletionMessageToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatCompletionMessageParam(BaseModel):
+    """One message of the conversation. Extra keys are kept: some templates read them."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["developer", "system", "user", "assistant", "tool", "function"]
+    content: Optional[Union[str, list[ChatCompletionContentPart]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ChatCompletionMessageToolCall]] = None
+    tool_call_id: Optional[str] = None
+    refusal: Optional[str] = None
+
+
+class ChatCompletionNamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: ChatCompletionNamedFunction
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionRequest(SamplingFields, ConstraintFields):
+    messages: list[ChatCompletionMessageParam] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(default=None, ge=1)  # deprecated alias of max_completion_tokens
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    tools: Optional[list[ChatCompletionTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], ChatCompletionNamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None
+    functions: Optional[list[FunctionDefinition]] = None  # deprecated by tools
+    function_call: Optional[Union[Literal["none", "auto"], ChatCompletionNamedFunction]] = None
+    audio: Optional[dict[str, Any]] = None
+    modalities: Optional[list[Literal["text", "audio"]]] = None
+    prediction: Optional[dict[str, Any]] = None
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
+    web_search_options: Optional[dict[str, Any]] = None
+    moderation: Optional[dict[str, Any]] = None
+    # Bookkeeping fields that do not change the output.
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
+    # vLLM chat extras
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ParamError("top_logprobs", "top_logprobs needs logprobs to be true")
+        return self
+
+    @property
+    def max_new_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def unsupported_params(self) -> list[str]:
+        in_use = {
+            "logprobs": bool(self.logprobs),
+            "top_logprobs": bool(self.top_logprobs),
+            "tools": bool(self.tools),
+            "tool_choice": self.tool_choice not in (None, "none", "auto"),
+            "functions": bool(self.functions),
+            "function_call": self.function_call not in (None, "none", "auto"),
+            "audio": self.audio is not None,
+            "modalities": self.modalities not in (None, ["text"]),
+            "prediction": self.prediction is not None,
+            "reasoning_effort": self.reasoning_effort is not None,
+            "verbosity": self.verbosity is not None,
+            "web_search_options": self.web_search_options is not None,
+            "moderation": self.moderation is not None,
+            "echo": self.echo,
+        }
+        return self._unsupported_sampling_params() + [name for name, used in in_use.items() if used]
+
+
+# --------------------------------------------------------------------------- completion request
+
+
+class CompletionRequest(SamplingFields, ConstraintFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(default=16, ge=1)  # OpenAI's default for completions
+    best_of: Optional[int] = Field(default=None, ge=1)
+    echo: bool = False
+    logprobs: Optional[int] = Field(default=None, ge=0, le=5)
+    suffix: Optional[str] = None
+    add_special_tokens: bool = True  # vLLM: add BOS and friends to text prompts
+
+    @property
+    def max_new_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+    def unsupported_params(self) -> list[str]:
+        in_use = {
+            "best_of": self.best_of not in (None, self.n),
+            "logprobs": self.logprobs is not None,
+            "suffix": bool(self.suffix),
+        }
+        return self._unsupported_sampling_params() + [name for name, used in in_use.items() if used]
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class UsageInfo(OpenAIResponseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class ChatMessage(OpenAIResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+    refusal: Optional[str] = None
+    tool_calls: Optional[list[ChatCompletionMessageToolCall]] = None
+
+
+class ChatCompletionResponseChoice(OpenAIResponseModel):
+    index: int
+    message: ChatMessage
+    logprobs: None = None
+    finish_reason: Optional[FinishReason] = None
+
+
+class ChatCompletionResponse(OpenAIResponseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+
+
+class DeltaMessage(OpenAIResponseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: Any) -> dict[str, Any]:
+        # The client's accumulator concatenates every string it sees: send each key only when set.
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatCompletionResponseStreamChoice(OpenAIResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: Optional[FinishReason] = None
+
+
+class ChatCompletionStreamResponse(OpenAIResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None
+    system_fingerprint: Optional[str] = None
+
+
+class CompletionResponseChoice(OpenAIResponseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Optional[FinishReason] = None
+
+
+class CompletionResponse(OpenAIResponseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+
+
+class CompletionStreamResponse(OpenAIResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: Optional[UsageInfo] = None
+    system_fingerprint: Optional[str] = None
+
+
+class ModelCard(OpenAIResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "llgtrt"
+    max_model_len: Optional[int] = None
+
+
+class ModelList(OpenAIResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class EngineStats(OpenAIResponseModel):
+    num_active: int  # engine requests submitted and not yet finished

@@ -1,0 +1,116 @@
+"""A validated API request to engine requests: one per prompt and choice.
+
+Everything the client got wrong is found here, before any engine work, and reported as a 400
+naming the parameter: unsupported parameters, prompts longer than the context, bad token ids.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Optional, Union
+
+from llgtrt_core.api.errors import APIError
+from llgtrt_core.api.generation import ChoiceUpdate, TextOptions, merge, run_choice
+from llgtrt_core.api.protocol import ChatCompletionRequest, CompletionRequest
+from llgtrt_core.constraints.errors import GrammarRequestError
+from llgtrt_core.engine.interface import Constraint, GenerationRequest, SamplingParams
+from llgtrt_core.runtime import ModelRuntime
+
+ApiRequest = Union[ChatCompletionRequest, CompletionRequest]
+
+_SEED_MODULUS = 2**63  # choice seeds stay in int64 range
+
+
+def check_request(request: ApiRequest, runtime: ModelRuntime) -> None:
+    """What can be refused before any tokenization: an unknown model (404), unsupported parameters."""
+    if request.model is not None and request.model != runtime.model_name:
+        raise APIError(f"The model `{request.model}` does not exist.", status_code=404, param="model",
+                       code="model_not_found")
+    unsupported = request.unsupported_params()
+    if unsupported:
+        names = ", ".join(unsupported)
+        raise APIError(f"unsupported parameter(s): {names} (not implemented by this server)",
+                       param=unsupported[0], code="unsupported_parameter")
+
+
+async def make_constraint(request: ApiRequest, runtime: ModelRuntime) -> Optional[Constraint]:
+    """The one place requests meet the grammar compiler (a fresh constraint for every choice)."""
+    if runtime.grammars is None:
+        param = request.constraint_param()
+        if param is not None:
+            raise APIError("structured output is not available on this server", param=param,
+                           code="unsupported_parameter")
+        return None
+    try:
+        return await runtime.grammars.constraint_for_request(request)
+    except GrammarRequestError as e:  # bad schema / grammar: llguidance says what is wrong
+        raise APIError(str(e), param=e.param) from e
+
+
+def _max_tokens(request: ApiRequest, prompt_len: int, max_model_len: int, prompt_param: str) -> int:
+    room = max_model_len - prompt_len
+    if room <= 0:
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{prompt_len} tokens, leaving no room for the completion.",
+            param=prompt_param, code="context_length_exceeded")
+    wanted = request.max_new_tokens
+    if wanted is None:
+        return room
+    if wanted > room:
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + wanted} tokens ({prompt_len} in the prompt, {wanted} for the completion). "
+            f"Reduce the prompt or the completion length.",
+            param=_max_tokens_param(request), code="context_length_exceeded")
+    return wanted
+
+
+def _max_tokens_param(request: ApiRequest) -> str:
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
+
+
+def _stop_token_ids(request: ApiRequest, runtime: ModelRuntime) -> frozenset[int]:
+    extra = request.stop_token_ids or []
+    if any(not 0 <= t < runtime.engine.vocab_size for t in extra):
+        raise APIError(f"stop_token_ids must be in [0, {runtime.engine.vocab_size})", param="stop_token_ids")
+    eos = frozenset() if request.ignore_eos else runtime.tokenizer.eos_token_ids
+    return eos | frozenset(extra)
+
+
+def _text_options(request: ApiRequest) -> TextOptions:
+    return TextOptions(request.stop_strings, request.include_stop_str_in_output, request.skip_special_tokens)
+
+
+async def _engine_requests(request: ApiRequest, runtime: ModelRuntime, prompts: list[list[int]],
+                    request_id: str) -> list[GenerationRequest]:
+    """Choice i of prompt p gets index p * n + i, and seed + index so seeded choices differ."""
+    prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+    stop_token_ids = _stop_token_ids(request, runtime)
+    top_k = request.top_k if request.top_k is not None and request.top_k > 0 else 0
+    planned = []
+    for prompt_index, prompt_ids in enumerate(prompts):
+        max_tokens = _max_tokens(request, len(prompt_ids), runtime.engine.max_model_len, prompt_param)
+        for choice in range(request.n):
+            index = prompt_index * request.n + choice
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=top_k,
+                seed=None if request.seed is None else (request.seed + index) % _SEED_MODULUS,
+                stop_token_ids=stop_token_ids,
+            )
+            planned.append(GenerationRequest(f"{request_id}-{index}", prompt_ids, sampling,
+                                             await make_constraint(request, runtime)))
+    return planned
+
+
+async def start_choices(request: ApiRequest, runtime: ModelRuntime, prompts: list[list[int]], request_id: str
+                        ) -> tuple[list[GenerationRequest], AsyncIterator[ChoiceUpdate]]:
+    """Plan every choice and return their merged updates (nothing runs until iterated)."""
+    planned = await _engine_requests(request, runtime, prompts, request_id)
+    options = _text_options(request)
+    choices = [run_choice(runtime.engine, runtime.tokenizer, i, r, options) for i, r in enumerate(planned)]
+    return planned, merge(choices)

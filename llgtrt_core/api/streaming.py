@@ -1,0 +1,89 @@
+"""Server-sent events, and freeing engine work when the client goes away.
+
+A streamed response ends its body iterator in every case (finished, client gone, cancelled), so
+the engine requests beneath it are aborted at once rather than when the garbage collector gets
+to them. A non-streamed request is raced against the client's disconnect for the same reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import AsyncIterator, Awaitable, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Send
+
+from llgtrt_core.api.errors import APIError, error_body
+from llgtrt_core.api.generation import close_quietly
+from llgtrt_core.api.protocol import ErrorInfo
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+def sse_event(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+def sse_error_event(info: ErrorInfo) -> str:
+    """A failure after the 200 went out; the openai client raises APIError on it."""
+    return f"data: {json.dumps(error_body(info))}\n\n"
+
+
+async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Ends a stream of events with [DONE], or with an error event if producing them failed."""
+    try:
+        async for event in events:
+            yield event
+        yield DONE_EVENT
+    except APIError as e:
+        yield sse_error_event(e.info)
+    except Exception as e:  # a bug: still end the stream the way the client understands
+        logger.exception("streaming failed")
+        yield sse_error_event(ErrorInfo(message=f"internal error: {e!r}", type="server_error"))
+    finally:
+        await close_quietly(events)
+
+
+class EventStreamResponse(StreamingResponse):
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str]):
+        super().__init__(sse_stream(events), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await close_quietly(self.body_iterator)
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`; if the client disconnects first, cancel it (its cleanup aborts engine requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnected()
