@@ -28,9 +28,10 @@ from llgtrt_core.engine.interface import (
     GenerationRequest,
     LogitsPostProcessor,
     TokenDelta,
+    TokenLogprob,
 )
 from llgtrt_core.engine.kv_cache import KVCache
-from llgtrt_core.engine.sampler import sample
+from llgtrt_core.engine.sampler import BatchSampler, token_logprobs
 from llgtrt_core.models.loader import load_config, load_model
 
 logger = logging.getLogger(__name__)
@@ -61,9 +62,15 @@ class _Sequence:
     num_generated: int = 0
     pending_token: Optional[int] = None  # sampled last step, fed to the model this step
     uncommitted_token: Optional[int] = None  # sampled last step, not yet seen by the constraint
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # sent with the first delta
+
+    def take_prompt_logprobs(self) -> Optional[list[Optional[TokenLogprob]]]:
+        taken, self.prompt_logprobs = self.prompt_logprobs, None
+        return taken
 
 
 _STOP = object()
+_PROMPT_LOGPROBS_CHUNK = 256  # prompt positions projected to the vocabulary at once
 
 
 class TorchEngine(Engine):
@@ -89,6 +96,7 @@ class TorchEngine(Engine):
         self._thread: Optional[threading.Thread] = None
         self.model = None
         self.cache: Optional[KVCache] = None
+        self.sampler = BatchSampler(config.max_batch_size, self.vocab_size, self.device)
 
     # ---- event-loop side -------------------------------------------------------------
 
@@ -166,7 +174,8 @@ class TorchEngine(Engine):
             if not self._running and not self._waiting:
                 continue
             try:
-                self._step()
+                with torch.inference_mode():  # the post-processor and sampler edit logits in place
+                    self._step()
             except Exception as exc:  # a broken step must not kill the server: fail what was in it
                 logger.exception("engine step failed")
                 for seq in list(self._running):
@@ -213,12 +222,12 @@ class TorchEngine(Engine):
             logits.append(self._prefill(seq, slot=len(self._running)).unsqueeze(0))
             self._running.append(seq)
         step_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
+        raw_logprobs = self.sampler.raw_logprobs(step_logits)  # before the mask changes them
         self._constrain(step_logits)
-        tokens = sample(step_logits, [s.request.sampling for s in self._running],
-                        [s.generator for s in self._running]).tolist()
+        sampled = self.sampler.sample(step_logits, raw_logprobs)
         finished: list[int] = []
-        for index, (seq, token) in enumerate(zip(self._running, tokens)):
-            reason = self._advance(seq, token)
+        for index, (seq, token, logprob) in enumerate(zip(self._running, sampled.token_ids, sampled.logprobs)):
+            reason = self._advance(seq, token, logprob)
             if reason is not None:
                 finished.append(index)
         for index in reversed(finished):
@@ -237,9 +246,37 @@ class TorchEngine(Engine):
     def _prefill(self, seq: _Sequence, slot: int) -> torch.Tensor:
         prompt = seq.request.prompt_token_ids
         self.cache.reserve(len(prompt))
-        logits = self.model.prefill(torch.tensor(prompt, device=self.device), self.cache, slot)
+        self.sampler.add(slot, seq.request.sampling, prompt, seq.generator)
+        num_top = seq.request.sampling.prompt_logprobs
+        if num_top is None:
+            logits = self.model.prefill(torch.tensor(prompt, device=self.device), self.cache, slot)
+        else:
+            logits, seq.prompt_logprobs = self._prefill_with_prompt_logprobs(prompt, slot, num_top)
         seq.length = len(prompt)
         return logits
+
+    def _prefill_with_prompt_logprobs(self, prompt: list[int], slot: int, num_top: int
+                                      ) -> tuple[torch.Tensor, list[Optional[TokenLogprob]]]:
+        """Prefill, also scoring every prompt token under the model (raw logprobs; None for the first).
+
+        The model returns the last position's logits only, so catch its final hidden states and
+        project them here, a chunk of positions at a time to bound the (positions, vocab) memory.
+        """
+        captured: list[torch.Tensor] = []
+        hook = self.model.model.norm.register_forward_hook(lambda _m, _i, out: captured.append(out))
+        try:
+            logits = self.model.prefill(torch.tensor(prompt, device=self.device), self.cache, slot)
+        finally:
+            hook.remove()
+        hidden = captured[0].reshape(-1, captured[0].shape[-1])
+        targets = torch.tensor(prompt[1:], device=self.device)
+        scored: list[Optional[TokenLogprob]] = [None]
+        with torch.inference_mode():
+            for start in range(0, len(prompt) - 1, _PROMPT_LOGPROBS_CHUNK):
+                end = min(start + _PROMPT_LOGPROBS_CHUNK, len(prompt) - 1)
+                chunk_logprobs = self.model.lm_head(hidden[start:end]).float().log_softmax(dim=-1)
+                scored += token_logprobs(chunk_logprobs, targets[start:end], [num_top] * (end - start))[1]
+        return logits, scored
 
     def _constrain(self, logits: torch.Tensor) -> None:
         """One post-processor call for every constrained row; a row whose grammar failed ends with an error."""
@@ -255,7 +292,7 @@ class TorchEngine(Engine):
         for row in rows:
             self._running[row.row].uncommitted_token = None
 
-    def _advance(self, seq: _Sequence, token: int) -> Optional[FinishReason]:
+    def _advance(self, seq: _Sequence, token: int, logprob: Optional[TokenLogprob] = None) -> Optional[FinishReason]:
         """Hand the sampled token to its request; return a finish reason when the sequence is done."""
         constraint = seq.request.constraint
         if constraint is not None and constraint.error is not None:
@@ -268,22 +305,24 @@ class TorchEngine(Engine):
         seq.num_generated += 1
         # The context bounds prompt + completion; the prompt and all but this token are cached.
         if seq.num_generated >= sampling.max_tokens or seq.length + 1 >= self.max_model_len:
-            self._finish(seq, "length", [token])
+            self._finish(seq, "length", [token], logprobs=None if logprob is None else [logprob])
             return "length"
-        seq.emit(TokenDelta([token]))
+        seq.emit(TokenDelta([token], logprobs=None if logprob is None else [logprob],
+                            prompt_logprobs=seq.take_prompt_logprobs()))
         seq.pending_token = token
         if constraint is not None:
             seq.uncommitted_token = token
         return None
 
     def _finish(self, seq: _Sequence, reason: FinishReason, token_ids: Optional[list[int]] = None,
-                error: Optional[str] = None) -> None:
-        seq.emit(TokenDelta(token_ids or [], reason, error))
+                error: Optional[str] = None, logprobs: Optional[list[TokenLogprob]] = None) -> None:
+        seq.emit(TokenDelta(token_ids or [], reason, error, logprobs, seq.take_prompt_logprobs()))
 
     def _remove(self, index: int) -> None:
         """Free slot `index`, moving the last running sequence into it."""
         last = len(self._running) - 1
         if index != last:
             self.cache.move(last, index, self._running[last].length)
+            self.sampler.move(last, index)
             self._running[index] = self._running[last]
         self._running.pop()

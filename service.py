@@ -1,0 +1,117 @@
+"""llgtrt-bento: an OpenAI-compatible LLM server with guaranteed structured output.
+
+`bentoml serve .` starts it. The model comes from the BentoML model store (LLGTRT_MODEL, default
+the SmolLM2-135M-Instruct pack, created on first start when the store has none). The engine the
+stored model's metadata names runs in-process; the OpenAI API is mounted at /v1 and a streaming
+`generate` method serves bentoml's own clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import AsyncGenerator, Optional
+
+import bentoml
+
+from llgtrt_core import model_store
+from llgtrt_core.api.app import create_app
+from llgtrt_core.api.completions import completion_text
+from llgtrt_core.api.protocol import CompletionRequest
+from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
+from llgtrt_core.constraints.postprocessor import MaskPostProcessor
+from llgtrt_core.engine.factory import create_engine
+from llgtrt_core.runtime import ModelRuntime
+from llgtrt_core.settings import Settings
+from llgtrt_core.tokenizer import Tokenizer
+
+logger = logging.getLogger("llgtrt")
+SETTINGS = Settings.from_env()
+
+
+def ensure_model_in_store() -> None:
+    """`bentoml serve` and `build` resolve the model before any hook runs, so the default is packed
+    here, at import, when the store lacks it and no other model is configured."""
+    if not SETTINGS.model_configured:
+        model_store.ensure_default_model()  # packs (and logs that it does) only when missing
+    elif bentoml.models.BentoModel(SETTINGS.model_tag).stored is None:
+        raise RuntimeError(f"LLGTRT_MODEL={SETTINGS.model_tag} is not in the BentoML model store; "
+                           "pack it with pack_model.py (see --help)")
+
+
+ensure_model_in_store()
+
+
+def current_runtime() -> Optional[ModelRuntime]:
+    return bentoml.get_current_service().runtime
+
+
+openai_app = create_app(current_runtime)
+
+
+@bentoml.service(
+    name="llgtrt",
+    traffic={"timeout": 600},
+    endpoints={"livez": "/livez", "readyz": "/readyz"},
+)
+@bentoml.asgi_app(openai_app, path="/v1")
+class LLM:
+    # A class attribute, so `bentoml build` bundles the model into the Bento.
+    model = bentoml.models.BentoModel(SETTINGS.model_tag)
+
+    def __init__(self) -> None:
+        self.runtime: Optional[ModelRuntime] = None
+        self._loading: Optional[asyncio.Task] = None
+
+    @bentoml.on_startup
+    async def start_loading(self) -> None:
+        # Load in the background so /readyz answers 503 (not a refused connection) meanwhile.
+        self._loading = asyncio.create_task(self._load())
+
+    async def _load(self) -> None:
+        try:
+            stored = self.model
+            model_dir = Path(stored.path)
+            metadata = dict(stored.info.metadata)
+            tokenizer = await asyncio.to_thread(Tokenizer, model_dir)
+            # One llguidance tokenizer per model, shared by the compiler and the mask filler;
+            # masks are as wide as the logits, so padded vocab ids exist and stay disallowed.
+            ll_tokenizer = await asyncio.to_thread(
+                build_ll_tokenizer, tokenizer.hf, metadata["vocab_size"], sorted(tokenizer.eos_token_ids)
+            )
+            post_processor = MaskPostProcessor(ll_tokenizer, max_batch_size=SETTINGS.max_batch_size)
+            engine = create_engine(model_dir, metadata, SETTINGS, post_processor, tokenizer.hf.eos_token_id)
+            await engine.start()
+            name = SETTINGS.served_model_name or stored.tag.name
+            self.runtime = ModelRuntime(model_name=name, tokenizer=tokenizer, engine=engine,
+                                        grammars=GrammarCompiler(ll_tokenizer))
+            logger.info("serving %s (%s) with the %s engine", name, stored.tag, metadata.get("engine"))
+        except Exception:
+            logger.exception("loading the model failed; /readyz stays 503")
+
+    def __is_ready__(self) -> bool:
+        return self.runtime is not None
+
+    @bentoml.on_shutdown
+    async def stop(self) -> None:
+        if self._loading is not None:
+            self._loading.cancel()
+        if self.runtime is not None:
+            await self.runtime.engine.shutdown()
+            self.runtime.grammars.close()
+
+    @bentoml.api
+    async def generate(
+        self, prompt: str, max_tokens: int = 256, temperature: float = 0.0, seed: Optional[int] = None
+    ) -> AsyncGenerator[str, None]:
+        """Stream the completion of `prompt` as text chunks (bentoml's Python clients).
+
+        The same path as POST /v1/completions: validation, sampling, detokenization.
+        """
+        if self.runtime is None:
+            raise bentoml.exceptions.ServiceUnavailable("the model is still loading")
+        request = CompletionRequest(model=self.runtime.model_name, prompt=prompt, max_tokens=max_tokens,
+                                    temperature=temperature, seed=seed)
+        async for text in completion_text(request, self.runtime):
+            yield text
