@@ -1,0 +1,155 @@
+// Apply a packed token bitmask (llguidance / XGrammar / TensorRT-LLM layout) to logits in place.
+//
+// Bit t%32 of word t//32 set = token t allowed. Every disallowed logit becomes -inf, and so does
+// every logit at or past 32 * mask width (logits wider than the tokenizer's vocab). The kernel
+// reads the bitmask, writes disallowed positions, and reads logits only inside 32-byte sectors
+// that mix allowed and disallowed tokens (see kWholeSectors), so its cost stays at the mask read
+// plus the masked writes, the memory-bound floor of this operation.
+//
+// The fill value is a raw bit pattern, so one kernel per element width serves f32 (4 bytes)
+// and f16 / bf16 (2 bytes). This file holds no torch code: token_bitmask.cpp binds it.
+
+#include "token_bitmask.h"
+
+#include <algorithm>
+
+namespace llgtrt {
+namespace {
+
+constexpr int kThreads = 256;
+
+// One chunk = kVec consecutive tokens of a row: 16 bytes when vectorized (4 x f32 or
+// 8 x f16/bf16), one token otherwise (unaligned or column-strided logits). Two chunks make a
+// 32-byte sector, the unit in which L2 writes to HBM (rows are assumed 32-byte aligned for
+// speed, not for correctness).
+template <typename Bits, bool kVectorized>
+struct Chunk {
+  static constexpr int kVec = kVectorized ? 16 / static_cast<int>(sizeof(Bits)) : 1;
+  static constexpr uint32_t kAll = (1u << kVec) - 1;
+  static constexpr int kSector = 2 * kVec;
+  static constexpr uint32_t kSectorAll = (1u << kSector) - 1;
+};
+
+// Bits `first` .. `first + n` of `word` (n <= 16), with tokens at or past `vocab` set: they
+// count as allowed, so nothing is ever written past the end of a row.
+__device__ __forceinline__ uint32_t allowed_bits(uint32_t word, int first, int n, uint32_t all, int vocab) {
+  uint32_t bits = (word >> (first & 31)) & all;
+  if (first + n > vocab) bits |= all & (~0u << max(vocab - first, 0));
+  return bits;
+}
+
+// 32-bit lane mask of the disallowed elements among the elements packed in 32-bit word `w`
+// of a 16-byte chunk whose per-element allowed bits are `bits`.
+template <typename Bits>
+__device__ __forceinline__ uint32_t disallowed_lanes(uint32_t bits, int w) {
+  if constexpr (sizeof(Bits) == 4) {
+    return ((bits >> w) & 1u) ? 0u : ~0u;
+  } else {
+    return (((bits >> (2 * w)) & 1u) ? 0u : 0x0000FFFFu) | (((bits >> (2 * w + 1)) & 1u) ? 0u : 0xFFFF0000u);
+  }
+}
+
+__device__ __forceinline__ uint32_t select_bits(uint32_t keep, uint32_t replace, uint32_t replace_mask) {
+  return (keep & ~replace_mask) | (replace & replace_mask);
+}
+
+// Grid: x = tiles of kThreads * kItems chunks along the row, y = mask rows (strided loop).
+//
+// kWholeSectors: a 32-byte sector holding both allowed and disallowed tokens is read and
+// written back whole instead of written element by element. HBM takes whole sectors: a
+// partially written one costs the memory system a read-modify-write of its own, measured
+// 1.5-2x slower overall (bench/mask_kernel.py, "masked writes only"). Sectors that are all
+// allowed are never touched and all-disallowed ones are only written, so at JSON-like masks
+// (~99% disallowed) nearly every access is a 16-byte store.
+template <typename Bits, bool kVectorized, int kItems, bool kWholeSectors>
+__global__ void __launch_bounds__(kThreads, 8) apply_token_bitmask_kernel(BitmaskArgs args, Bits fill) {
+  using C = Chunk<Bits, kVectorized>;
+  const int vocab = args.vocab;
+  const int n_chunks = (vocab + C::kVec - 1) / C::kVec;
+  const int tile_start = blockIdx.x * kThreads * kItems + threadIdx.x;
+  const uint32_t fill_word = sizeof(Bits) == 4 ? fill : (uint32_t(fill) << 16 | fill);
+
+  for (int64_t j = blockIdx.y; j < args.mask_rows; j += gridDim.y) {
+    const int64_t r = args.rows ? args.rows[j] : j;
+    if (r < 0 || r >= args.batch) continue;  // a bad row index must not become a stray write
+    Bits* row = static_cast<Bits*>(args.logits) + r * args.row_stride;
+    const int32_t* mask_row = args.bitmask + j * args.mask_row_stride;
+
+    // Issue every mask load of this thread before the first store: they are the only latency
+    // on the common path. (Hoisting the logits loads of rewritten chunks too needs 40+
+    // registers, hence lower occupancy, and was measured 15% slower.)
+    uint32_t chunk_bits[kItems];
+    bool sector_untouched[kItems];
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int c = tile_start + i * kThreads;
+      const int t0 = c * C::kVec;
+      const int w = t0 >> 5;
+      const uint32_t word = (c < n_chunks && w < args.mask_words) ? __ldg(mask_row + w) : 0u;
+      chunk_bits[i] = c < n_chunks ? allowed_bits(word, t0, C::kVec, C::kAll, vocab) : C::kAll;
+      const int s0 = t0 & ~(C::kSector - 1);
+      sector_untouched[i] = !kWholeSectors || c >= n_chunks ||
+                            allowed_bits(word, s0, C::kSector, C::kSectorAll, vocab) == C::kSectorAll;
+    }
+
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const uint32_t bits = chunk_bits[i];
+      const int t0 = (tile_start + i * kThreads) * C::kVec;
+      if constexpr (kVectorized) {
+        if (bits == 0) {  // the common case under a grammar: a whole 16-byte store
+          *reinterpret_cast<uint4*>(row + t0) = make_uint4(fill_word, fill_word, fill_word, fill_word);
+          continue;
+        }
+        if (kWholeSectors && !sector_untouched[i] && t0 + C::kVec <= vocab) {
+          uint4 v = *reinterpret_cast<const uint4*>(row + t0);
+          v.x = select_bits(v.x, fill_word, disallowed_lanes<Bits>(bits, 0));
+          v.y = select_bits(v.y, fill_word, disallowed_lanes<Bits>(bits, 1));
+          v.z = select_bits(v.z, fill_word, disallowed_lanes<Bits>(bits, 2));
+          v.w = select_bits(v.w, fill_word, disallowed_lanes<Bits>(bits, 3));
+          *reinterpret_cast<uint4*>(row + t0) = v;
+          continue;
+        }
+      }
+      if (bits == C::kAll) continue;
+#pragma unroll
+      for (int k = 0; k < C::kVec; ++k) {
+        if (!((bits >> k) & 1u)) row[kVectorized ? t0 + k : static_cast<int64_t>(t0 + k) * args.col_stride] = fill;
+      }
+    }
+  }
+}
+
+template <typename Bits>
+cudaError_t launch(const BitmaskArgs& args, Bits fill, bool whole_sectors, int sms, cudaStream_t stream) {
+  const int64_t elem = static_cast<int64_t>(sizeof(Bits));
+  const bool vectorized = args.col_stride == 1 && reinterpret_cast<uintptr_t>(args.logits) % 16 == 0 &&
+                          (args.row_stride * elem) % 16 == 0;
+  const int vec = vectorized ? 16 / static_cast<int>(elem) : 1;
+  const int64_t n_chunks = (args.vocab + vec - 1) / vec;
+  // A small job gets one chunk per thread so that it still spreads over every SM; a large
+  // one four, so each thread has four independent mask loads in flight.
+  const bool small = args.mask_rows * n_chunks < int64_t(4) * kThreads * 8 * sms;
+  const int items = small ? 1 : 4;
+  const dim3 grid(static_cast<unsigned>((n_chunks + kThreads * items - 1) / (kThreads * items)),
+                  static_cast<unsigned>(std::min<int64_t>(args.mask_rows, 65535)));
+#define LLGTRT_LAUNCH(VEC, WHOLE)                                                             \
+  if (small) apply_token_bitmask_kernel<Bits, VEC, 1, WHOLE><<<grid, kThreads, 0, stream>>>(args, fill); \
+  else apply_token_bitmask_kernel<Bits, VEC, 4, WHOLE><<<grid, kThreads, 0, stream>>>(args, fill)
+  if (!vectorized) { LLGTRT_LAUNCH(false, false); }
+  else if (whole_sectors) { LLGTRT_LAUNCH(true, true); }
+  else { LLGTRT_LAUNCH(true, false); }
+#undef LLGTRT_LAUNCH
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t apply_token_bitmask(const BitmaskArgs& args, int element_bytes, uint32_t fill_bits, bool whole_sectors,
+                                int sms, cudaStream_t stream) {
+  if (args.mask_rows == 0 || args.vocab == 0) return cudaSuccess;
+  if (element_bytes == 4) return launch<uint32_t>(args, fill_bits, whole_sectors, sms, stream);
+  return launch<uint16_t>(args, static_cast<uint16_t>(fill_bits), whole_sectors, sms, stream);
+}
+
+}  // namespace llgtrt
