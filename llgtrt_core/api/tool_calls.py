@@ -1,0 +1,131 @@
+"""Tools in a chat completion: the plan and grammar of a request, and the model's output as
+OpenAI `tool_calls` (or legacy `function_call`), whole or as stream deltas.
+
+Streaming follows OpenAI exactly: a call's `id`, `type` and `name` come once, in the first delta
+of its index (with `arguments: ""` or a first fragment); later deltas carry the index and an
+arguments fragment. The fragments concatenate to the non-streamed arguments, because both go
+through the same parser.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from llgtrt_core.api.errors import APIError
+from llgtrt_core.api.protocol import (
+    ChatCompletionMessageToolCall,
+    ChatMessage,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+)
+from llgtrt_core.constraints import GrammarRequestError, RequestGrammar, request_grammar
+from llgtrt_core.runtime import ModelRuntime
+from llgtrt_core.tokenizer import Tokenizer
+from llgtrt_core.tools import (
+    ArgumentsDelta,
+    CallStart,
+    ContentDelta,
+    ToolCallParser,
+    ToolEvent,
+    ToolFormat,
+    ToolPlan,
+    ToolRequestError,
+    arguments_grammar,
+    detect_tool_format,
+    plan_tools,
+    tool_grammar,
+)
+
+
+def tool_format_of(tokenizer: Tokenizer) -> ToolFormat:
+    return detect_tool_format(tokenizer.chat_template.source if tokenizer.chat_template else None)
+
+
+def request_tool_plan(request: Any, tokenizer: Tokenizer) -> Optional[ToolPlan]:
+    """The request's tools, validated (400 naming the field); None when it has none."""
+    try:
+        return plan_tools(request, tool_format_of(tokenizer))
+    except ToolRequestError as e:
+        raise APIError(e.message, param=e.param) from e
+
+
+def keeps_special_tokens(plan: Optional[ToolPlan], tokenizer: Tokenizer) -> bool:
+    """A trigger that is an added token (`<|python_tag|>`) must survive detokenization."""
+    return plan is not None and plan.parses_calls and plan.format.trigger in tokenizer.hf.get_added_vocab()
+
+
+async def tool_constraint(plan: Optional[ToolPlan], request: Any, runtime: ModelRuntime) -> Optional[RequestGrammar]:
+    """The grammar that replaces the request's own constraint while tools may be called."""
+    if plan is None or not plan.parses_calls or runtime.grammars is None:
+        return None
+    try:
+        for tool in plan.callable_tools:  # a bad schema is reported against its own tool
+            grammar = json.dumps({"grammars": [arguments_grammar(tool)]})
+            await runtime.grammars.compile(grammar, f"{tool.param}.parameters")
+        answer = request_grammar(request) if plan.mode == "auto" else None
+        text = tool_grammar(plan, runtime.tokenizer.hf.get_added_vocab(), answer.grammar if answer else None)
+    except ToolRequestError as e:
+        raise APIError(e.message, param=e.param) from e
+    except GrammarRequestError as e:
+        raise APIError(e.message, param=e.param) from e
+    return RequestGrammar("tools", text)
+
+
+class ChoiceToolOutput:
+    """One choice's output through the tool parser: stream deltas, or the whole message."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self._parser = ToolCallParser(plan.format)
+        self._ids: list[str] = []
+
+    @property
+    def made_calls(self) -> bool:
+        return bool(self._ids)
+
+    def finish_reason(self, finish_reason: Optional[str]) -> Optional[str]:
+        return None if finish_reason is None else self.plan.finish_reason(finish_reason, self.made_calls)
+
+    def events(self, text: str, finished: bool) -> list[ToolEvent]:
+        events = self._parser.feed(text)
+        if finished:
+            events += self._parser.finish()
+        self._ids += [self.plan.format.new_call_id() for e in events if isinstance(e, CallStart)]
+        return events
+
+    def delta(self, text: str, finished: bool) -> DeltaMessage:
+        events = self.events(text, finished)
+        content = "".join(e.text for e in events if isinstance(e, ContentDelta)) or None
+        calls: dict[int, DeltaToolCall] = {}
+        for event in events:
+            if isinstance(event, CallStart):
+                calls[event.index] = DeltaToolCall(index=event.index, id=self._ids[event.index], type="function",
+                                                   function=DeltaFunctionCall(name=event.name, arguments=""))
+            elif isinstance(event, ArgumentsDelta):
+                call = calls.setdefault(event.index,
+                                        DeltaToolCall(index=event.index, function=DeltaFunctionCall(arguments="")))
+                call.function.arguments += event.text
+        if self.plan.legacy:
+            function_call = next(iter(calls.values())).function if calls else None
+            return DeltaMessage(content=content, function_call=function_call)
+        return DeltaMessage(content=content, tool_calls=list(calls.values()) or None)
+
+    def message(self, text: str) -> ChatMessage:
+        content, calls = [], []
+        for event in self.events(text, finished=True):
+            if isinstance(event, ContentDelta):
+                content.append(event.text)
+            elif isinstance(event, CallStart):
+                calls.append([event.name, ""])
+            else:
+                calls[event.index][1] += event.text
+        text_content = "".join(content) or None
+        if self.plan.legacy:
+            function_call = FunctionCall(name=calls[0][0], arguments=calls[0][1]) if calls else None
+            return ChatMessage(content=text_content, function_call=function_call)
+        tool_calls = [ChatCompletionMessageToolCall(id=self._ids[i], function=FunctionCall(name=name, arguments=args))
+                      for i, (name, args) in enumerate(calls)]
+        return ChatMessage(content=text_content, tool_calls=tool_calls or None)
