@@ -1,0 +1,43 @@
+"""Optional API key: when configured, every route of the OpenAI app needs `Authorization: Bearer <key>`.
+
+A pure ASGI middleware (not BaseHTTPMiddleware) so streamed responses and disconnects pass through
+untouched. A wrong or missing key gets OpenAI's 401 body (code `invalid_api_key`).
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import FastAPI
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from llgtrt_core import metrics
+from llgtrt_core.api.errors import error_body
+from llgtrt_core.api.protocol import ErrorInfo
+
+
+class BearerAuth:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        metrics.requests_rejected.labels(reason="unauthorized").inc()
+        info = ErrorInfo(message="Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                         type="invalid_request_error", code="invalid_api_key")
+        response = JSONResponse(error_body(info), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        return hmac.compare_digest(given, self.expected)  # constant time: no key guessing by timing
+
+
+def install_auth(app: FastAPI, api_key: str | None) -> None:
+    """Require `api_key` on every route of `app`; no-op when it is None or empty."""
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)

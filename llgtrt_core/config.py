@@ -1,0 +1,288 @@
+"""The service configuration: JSON5 files merged in order, then LLGTRT_* environment overrides.
+
+Files come from LLGTRT_CONFIG (paths separated by commas or colons). Objects merge recursively,
+scalars and arrays replace; an unknown key is an error naming it. Every option has a default, so
+no file is needed. `python -m llgtrt_core.config --print-config` prints every option with its
+doc comment, options left at their default commented out (docs/configuration.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import json5
+
+DEFAULT_MODEL_TAG = "smollm2-135m-instruct:latest"
+CONFIG_ENV = "LLGTRT_CONFIG"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def option(default: Any, doc: str) -> Any:
+    """A config field: its default and the comment --print-config writes above it."""
+    if isinstance(default, (dict, list)) or dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: default, metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    tag: Optional[str] = option(None, f"BentoML model store tag to serve; null: {DEFAULT_MODEL_TAG}, "
+                                      "packed on first start when missing. Env LLGTRT_MODEL.")
+    served_model_name: Optional[str] = option(None, "The model id clients send and /v1/models lists; "
+                                                    "null: the tag's name. Env LLGTRT_SERVED_MODEL_NAME.")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    max_batch_size: int = option(8, "Sequences decoded together in one engine step; more wait in the engine's "
+                                    "queue. Env LLGTRT_MAX_BATCH_SIZE.")
+    max_num_tokens: Optional[int] = option(None, "TensorRT-LLM: tokens one step may hold (prefill chunks "
+                                                 "included); null: the engine's build value.")
+    max_model_len: Optional[int] = option(None, "Prompt + completion tokens of one sequence; null: the model's "
+                                                "context length. Env LLGTRT_MAX_MODEL_LEN.")
+    kv_cache_free_gpu_mem_fraction: float = option(0.9, "TensorRT-LLM: fraction of the free GPU memory the "
+                                                        "KV cache takes after the weights are loaded.")
+    kv_cache_max_tokens: Optional[int] = option(None, "TensorRT-LLM: upper bound on KV-cache tokens; null: "
+                                                      "as many as the memory fraction holds.")
+    enable_kv_cache_reuse: bool = option(True, "TensorRT-LLM: reuse the KV cache of shared prompt prefixes.")
+    device: Optional[str] = option(None, "PyTorch engine: torch device; null: cuda when available, else cpu. "
+                                         "Env LLGTRT_DEVICE.")
+    dtype: Optional[str] = option(None, "PyTorch engine: weights and activations dtype (float32, bfloat16, "
+                                        "float16); null: bfloat16 on cuda, float32 on cpu.")
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    chat_template: Optional[str] = option(None, "Path of a Jinja chat template replacing the model's own "
+                                                "(rendered in a sandbox).")
+    n_vocab_override: Optional[int] = option(None, "Vocabulary size llguidance assumes (the logits width); "
+                                                   "null: the model's vocab_size.")
+    eos_token_ids: Optional[list[int]] = option(None, "Tokens that end generation, replacing the tokenizer's "
+                                                      "EOS tokens; null: from the model's tokenizer files.")
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """llguidance's LLParserLimits: a grammar past them is refused at compile time (400) or, mid-
+    generation, ends its request with an error."""
+
+    max_items_in_row: int = option(2000, "Earley items in one parser row (grows with ambiguity and "
+                                         "right recursion).")
+    initial_lexer_fuel: int = option(1_000_000, "Lexer work allowed to build the first mask.")
+    step_lexer_fuel: int = option(200_000, "Lexer work allowed per generated token.")
+    step_max_items: int = option(50_000, "Earley items allowed per generated token.")
+    max_lexer_states: int = option(250_000, "Lexer DFA states per grammar.")
+    max_grammar_size: int = option(500_000, "Grammar size (symbols and rules) after expansion.")
+    precompute_large_lexemes: bool = option(True, "Precompute the lexer for large lexemes at compile time.")
+    verbose_errors: bool = option(False, "Quote parser state and grammar in errors (they go back to clients).")
+
+
+@dataclass(frozen=True)
+class LlguidanceConfig:
+    limits: LimitsConfig = option(LimitsConfig(), "Parser limits, per grammar.")
+    log_level: int = option(0, "llguidance's own logging to stderr: 0 silent, 1 warnings, 2 verbose.")
+    grammar_cache_size: int = option(256, "Compiled grammars kept, by grammar text.")
+    compile_threads: Optional[int] = option(None, "Threads compiling grammars; null: min(4, cores).")
+    whitespace_flexible: bool = option(False, "JSON schemas: allow free whitespace between JSON tokens by "
+                                              "default (a request's whitespace_pattern overrides it).")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    api_key: Optional[str] = option(None, "When set, /v1/* requires `Authorization: Bearer <api_key>`. "
+                                          "Env LLGTRT_API_KEY.")
+    max_request_bytes: int = option(8 * 1024 * 1024, "Largest request body of /v1/*; larger ones get 413. "
+                                                      "0: no limit.")
+    max_concurrent_requests: int = option(256, "Generation requests (chat, completions) handed to the "
+                                               "engine at once; it batches max_batch_size of them. 0: no "
+                                               "limit (nor queue).")
+    max_queued_requests: int = option(256, "Generation requests waiting for one of those places; past "
+                                           "them a request gets 429 with Retry-After.")
+    retry_after_seconds: int = option(1, "The Retry-After of a 429.")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = option(ModelConfig(), "Which stored model to serve.")
+    runtime: RuntimeConfig = option(RuntimeConfig(), "The engine: batching, token budget, KV cache, device.")
+    tokenizer: TokenizerConfig = option(TokenizerConfig(), "Tokenizer and chat template overrides.")
+    llguidance: LlguidanceConfig = option(LlguidanceConfig(), "Structured output (llguidance).")
+    server: ServerConfig = option(ServerConfig(), "HTTP: authentication and request limits.")
+
+    @property
+    def model_tag(self) -> str:
+        return self.model.tag or DEFAULT_MODEL_TAG
+
+    @property
+    def model_configured(self) -> bool:
+        """False: the default tag, which the service packs itself when the store lacks it."""
+        return self.model.tag is not None
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> "Config":
+        return _build(cls, data, "")
+
+
+# Environment variables kept from before the config files existed; they win over the files.
+ENV_OVERRIDES: dict[str, tuple[str, str]] = {
+    "LLGTRT_MODEL": ("model", "tag"),
+    "LLGTRT_SERVED_MODEL_NAME": ("model", "served_model_name"),
+    "LLGTRT_MAX_BATCH_SIZE": ("runtime", "max_batch_size"),
+    "LLGTRT_MAX_MODEL_LEN": ("runtime", "max_model_len"),
+    "LLGTRT_DEVICE": ("runtime", "device"),
+    "LLGTRT_API_KEY": ("server", "api_key"),
+}
+
+
+def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """Objects merge recursively; scalars and arrays in `override` replace those in `base`."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def config_paths(env: Mapping[str, str]) -> list[Path]:
+    return [Path(p) for p in re.split(r"[,:]", env.get(CONFIG_ENV, "")) if p.strip()]
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    try:
+        data = json5.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"config file {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: the top level must be an object")
+    return data
+
+
+def load_config(paths: Optional[Sequence[Path]] = None, env: Optional[Mapping[str, str]] = None) -> Config:
+    """Defaults, then each file in order (default: LLGTRT_CONFIG's), then the LLGTRT_* variables."""
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    for path in config_paths(env) if paths is None else paths:
+        merged = merge(merged, read_file(Path(path)))
+    for name, (section, key) in ENV_OVERRIDES.items():
+        if env.get(name):
+            value = env[name]
+            hint = typing.get_type_hints(typing.get_type_hints(Config)[section])[key]
+            if _base_type(hint) is int:
+                if not value.isdigit():
+                    raise ConfigError(f"{name}: expected a non-negative integer, got {value!r}")
+                value = int(value)
+            merged = merge(merged, {section: {key: value}})
+    return Config.from_mapping(merged)
+
+
+def _base_type(hint: Any) -> Any:
+    """Optional[X] -> X."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+
+
+def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config key {path.rstrip('.') or '(top level)'!r}: expected an object, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"unknown config key {path + key!r} (known: {', '.join(sorted(known))})")
+    values = {}
+    for key, value in data.items():
+        hint = _base_type(hints[key])
+        if dataclasses.is_dataclass(hint):
+            values[key] = _build(hint, value, f"{path}{key}.")
+        else:
+            values[key] = _checked(value, hints[key], f"{path}{key}")
+    return cls(**values)
+
+
+def _checked(value: Any, hint: Any, name: str) -> Any:
+    optional = type(None) in typing.get_args(hint)
+    base = _base_type(hint)
+    if value is None and optional:
+        return None
+    expected = typing.get_origin(base) or base
+    ok = isinstance(value, expected) and not (expected in (int, float) and isinstance(value, bool))
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if ok and expected is list:
+        (item,) = typing.get_args(base)
+        ok = all(isinstance(v, item) and not isinstance(v, bool) for v in value)
+    if not ok:
+        raise ConfigError(f"config key {name!r}: expected {_type_name(hint)}, got {value!r}")
+    if expected is int and value < 0:
+        raise ConfigError(f"config key {name!r}: must not be negative, got {value}")
+    return value
+
+
+def _type_name(hint: Any) -> str:
+    return str(hint).replace("typing.", "").replace("NoneType", "null")
+
+
+def render(config: Config) -> str:
+    """The whole configuration as JSON5: a comment on every option; options at their default are
+    commented out, so the output is a valid config file that changes nothing but what was set."""
+    return "{\n" + "\n".join(_render_fields(config, type(config)(), 1)) + "\n}\n"
+
+
+def _render_fields(value: Any, default: Any, depth: int) -> list[str]:
+    indent = "  " * depth
+    lines: list[str] = []
+    for f in dataclasses.fields(value):
+        current, initial = getattr(value, f.name), getattr(default, f.name)
+        lines += [f"{indent}// {line}" for line in _wrap(f.metadata["doc"], 100 - len(indent))]
+        if dataclasses.is_dataclass(current):
+            lines += [f'{indent}"{f.name}": {{', *_render_fields(current, initial, depth + 1), f"{indent}}},"]
+        else:
+            comment = "// " if current == initial else ""
+            lines.append(f'{indent}{comment}"{f.name}": {json5.dumps(current)},')
+    return lines
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    lines, line = [], ""
+    for word in text.split():
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return lines + [line] if line else lines
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llgtrt_core.config", description=__doc__.splitlines()[0])
+    parser.add_argument("--print-config", action="store_true", help="print the whole configuration with comments")
+    parser.add_argument("--config", action="append", type=Path, metavar="FILE",
+                        help=f"a JSON5 config file (repeatable; default: ${CONFIG_ENV})")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not args.print_config:
+        parser.print_help()
+        return 0
+    sys.stdout.write(render(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

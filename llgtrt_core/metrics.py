@@ -1,0 +1,107 @@
+"""Prometheus metrics, named like vLLM's (`vllm:` becomes `llgtrt:`), served on the service's /metrics.
+
+BentoML runs prometheus_client in multiprocess mode (PROMETHEUS_MULTIPROC_DIR is in every worker's
+environment before it imports the service), so these module-level metrics land in its /metrics with
+its own `bentoml_service_*` ones. Gauges are therefore set, never computed on scrape, and say how
+workers combine. Outside a server (tests, scripts) they are plain in-process metrics.
+
+Request metrics (tokens, latencies) are taken by `MeteredEngine` around any engine, as the HTTP
+layer sees the tokens; engine state (running, waiting, KV cache, queue time), mask fill and
+grammar compile times come from hooks where that work happens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from llgtrt_core.engine.interface import Engine, GenerationRequest, TokenDelta
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                          1.0, 2.5, 5.0, 10.0, 20.0)
+# Mask fill runs every step and must stay far below a step; compiles range from 0.1 ms to seconds.
+_MASK_FILL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+requests_running = Gauge("llgtrt:num_requests_running", "Requests in the engine's batch.",
+                         multiprocess_mode="livesum")
+requests_waiting = Gauge("llgtrt:num_requests_waiting", "Requests queued in the engine for a batch slot.",
+                         multiprocess_mode="livesum")
+kv_cache_usage = Gauge("llgtrt:kv_cache_usage_perc", "KV-cache usage: 1 means full.", multiprocess_mode="livemax")
+prompt_tokens = Counter("llgtrt:prompt_tokens", "Prompt tokens of the requests the engine took.")
+generation_tokens = Counter("llgtrt:generation_tokens", "Tokens the engine generated.")
+request_success = Counter("llgtrt:request_success", "Finished engine requests, by finish reason.",
+                          ["finished_reason"])
+time_to_first_token = Histogram("llgtrt:time_to_first_token_seconds", "From submission to the first token.",
+                                buckets=_LATENCY_BUCKETS)
+inter_token_latency = Histogram("llgtrt:inter_token_latency_seconds", "Between two tokens of one request.",
+                                buckets=_TOKEN_LATENCY_BUCKETS)
+e2e_request_latency = Histogram("llgtrt:e2e_request_latency_seconds", "From submission to the last token.",
+                                buckets=_LATENCY_BUCKETS)
+request_queue_time = Histogram("llgtrt:request_queue_time_seconds", "Time waiting for a batch slot.",
+                               buckets=_LATENCY_BUCKETS)
+mask_fill_time = Histogram("llgtrt:grammar_mask_fill_seconds",
+                           "One engine step's token-mask computation for all its constrained rows.",
+                           buckets=_MASK_FILL_BUCKETS)
+grammar_compile_time = Histogram("llgtrt:grammar_compile_seconds", "Compiling one grammar (cache misses).",
+                                 buckets=_COMPILE_BUCKETS)
+requests_rejected = Counter("llgtrt:requests_rejected", "HTTP requests refused before reaching the engine.",
+                            ["reason"])
+
+
+def record_engine_state(running: int, waiting: int, kv_usage: float) -> None:
+    requests_running.set(running)
+    requests_waiting.set(waiting)
+    kv_cache_usage.set(kv_usage)
+
+
+class MeteredEngine(Engine):
+    """The `Engine` interface over another engine, recording each request's tokens and latencies."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.vocab_size = engine.vocab_size
+        self.max_model_len = engine.max_model_len
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def shutdown(self) -> None:
+        await self.engine.shutdown()
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    @property
+    def num_active(self) -> int:
+        return self.engine.num_active
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        deltas = self.engine.generate(request)
+        start = last = time.perf_counter()
+        started = first_token = False
+        finish_reason = "abort"  # unless the engine says otherwise: the consumer went away
+        try:
+            async for delta in deltas:
+                if not started:  # the engine took the request (it may refuse it on the first step)
+                    started = True
+                    prompt_tokens.inc(len(request.prompt_token_ids))
+                if delta.token_ids:
+                    now = time.perf_counter()
+                    (inter_token_latency if first_token else time_to_first_token).observe(now - last)
+                    first_token, last = True, now
+                    generation_tokens.inc(len(delta.token_ids))
+                if delta.finish_reason is not None:
+                    finish_reason = delta.finish_reason
+                yield delta
+        finally:
+            aclose = getattr(deltas, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            if started:
+                e2e_request_latency.observe(time.perf_counter() - start)
+                request_success.labels(finished_reason=finish_reason).inc()
