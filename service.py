@@ -1,6 +1,7 @@
 """llgtrt-bento: an OpenAI-compatible LLM server with guaranteed structured output.
 
-`bentoml serve .` starts it. The model comes from the BentoML model store (LLGTRT_MODEL, default
+`bentoml serve .` starts it, configured by the JSON5 files LLGTRT_CONFIG names and LLGTRT_* variables
+(llgtrt_core/config.py, docs/configuration.md). The model comes from the BentoML model store (default
 the SmolLM2-135M-Instruct pack, created on first start when the store has none). The engine the
 stored model's metadata names runs in-process; the OpenAI API is mounted at /v1 and a streaming
 `generate` method serves bentoml's own clients.
@@ -9,34 +10,42 @@ stored model's metadata names runs in-process; the OpenAI API is mounted at /v1 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from pathlib import Path
 from typing import AsyncGenerator, Optional
 
 import bentoml
 
-from llgtrt_core import model_store
+from llgtrt_core import metrics, model_store
 from llgtrt_core.api.app import create_app
+from llgtrt_core.api.auth import install_auth
 from llgtrt_core.api.completions import completion_text
+from llgtrt_core.api.limits import install_limits
 from llgtrt_core.api.protocol import CompletionRequest
+from llgtrt_core.chat_template import ChatTemplate
+from llgtrt_core.config import TokenizerConfig, load_config
 from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor
+from llgtrt_core.constraints.request_grammar import DEFAULT_JSON_OPTIONS
 from llgtrt_core.engine.factory import create_engine
+from llgtrt_core.kernels import cuda_kernel_available
 from llgtrt_core.runtime import ModelRuntime
-from llgtrt_core.settings import Settings
 from llgtrt_core.tokenizer import Tokenizer
 
 logger = logging.getLogger("llgtrt")
-SETTINGS = Settings.from_env()
+CONFIG = load_config()
+# The server-wide JSON whitespace policy (a request's own whitespace options still win).
+DEFAULT_JSON_OPTIONS["whitespace_flexible"] = CONFIG.llguidance.whitespace_flexible
 
 
 def ensure_model_in_store() -> None:
     """`bentoml serve` and `build` resolve the model before any hook runs, so the default is packed
     here, at import, when the store lacks it and no other model is configured."""
-    if not SETTINGS.model_configured:
+    if not CONFIG.model_configured:
         model_store.ensure_default_model()  # packs (and logs that it does) only when missing
-    elif bentoml.models.BentoModel(SETTINGS.model_tag).stored is None:
-        raise RuntimeError(f"LLGTRT_MODEL={SETTINGS.model_tag} is not in the BentoML model store; "
+    elif bentoml.models.BentoModel(CONFIG.model_tag).stored is None:
+        raise RuntimeError(f"model {CONFIG.model_tag} is not in the BentoML model store; "
                            "pack it with pack_model.py (see --help)")
 
 
@@ -48,6 +57,15 @@ def current_runtime() -> Optional[ModelRuntime]:
 
 
 openai_app = create_app(current_runtime)
+install_limits(openai_app, CONFIG.server)
+install_auth(openai_app, CONFIG.server.api_key)  # added last: runs first, before any body is read
+
+
+def apply_tokenizer_overrides(tokenizer: Tokenizer, overrides: TokenizerConfig) -> None:
+    if overrides.chat_template is not None:
+        tokenizer.chat_template = ChatTemplate(Path(overrides.chat_template).read_text(), tokenizer.special_tokens)
+    if overrides.eos_token_ids is not None:
+        tokenizer.eos_token_ids = frozenset(overrides.eos_token_ids)
 
 
 @bentoml.service(
@@ -58,7 +76,7 @@ openai_app = create_app(current_runtime)
 @bentoml.asgi_app(openai_app, path="/v1")
 class LLM:
     # A class attribute, so `bentoml build` bundles the model into the Bento.
-    model = bentoml.models.BentoModel(SETTINGS.model_tag)
+    model = bentoml.models.BentoModel(CONFIG.model_tag)
 
     def __init__(self) -> None:
         self.runtime: Optional[ModelRuntime] = None
@@ -75,17 +93,25 @@ class LLM:
             model_dir = Path(stored.path)
             metadata = dict(stored.info.metadata)
             tokenizer = await asyncio.to_thread(Tokenizer, model_dir)
+            apply_tokenizer_overrides(tokenizer, CONFIG.tokenizer)
+            vocab_size = CONFIG.tokenizer.n_vocab_override or metadata["vocab_size"]
             # One llguidance tokenizer per model, shared by the compiler and the mask filler;
             # masks are as wide as the logits, so padded vocab ids exist and stay disallowed.
             ll_tokenizer = await asyncio.to_thread(
-                build_ll_tokenizer, tokenizer.hf, metadata["vocab_size"], sorted(tokenizer.eos_token_ids)
+                build_ll_tokenizer, tokenizer.hf, vocab_size, sorted(tokenizer.eos_token_ids)
             )
-            post_processor = MaskPostProcessor(ll_tokenizer, max_batch_size=SETTINGS.max_batch_size)
-            engine = create_engine(model_dir, metadata, SETTINGS, post_processor, tokenizer.hf.eos_token_id)
+            post_processor = MaskPostProcessor(ll_tokenizer, max_batch_size=CONFIG.runtime.max_batch_size)
+            # Build (or load the prebuilt) CUDA mask kernel now, not on the first constrained request.
+            await asyncio.to_thread(cuda_kernel_available)
+            engine = metrics.MeteredEngine(
+                create_engine(model_dir, metadata, CONFIG.runtime, post_processor, tokenizer.hf.eos_token_id))
             await engine.start()
-            name = SETTINGS.served_model_name or stored.tag.name
-            self.runtime = ModelRuntime(model_name=name, tokenizer=tokenizer, engine=engine,
-                                        grammars=GrammarCompiler(ll_tokenizer))
+            name = CONFIG.model.served_model_name or stored.tag.name
+            guidance = CONFIG.llguidance
+            grammars = GrammarCompiler(ll_tokenizer, limits=dataclasses.asdict(guidance.limits),
+                                       cache_size=guidance.grammar_cache_size, max_workers=guidance.compile_threads,
+                                       log_level=guidance.log_level)
+            self.runtime = ModelRuntime(model_name=name, tokenizer=tokenizer, engine=engine, grammars=grammars)
             logger.info("serving %s (%s) with the %s engine", name, stored.tag, metadata.get("engine"))
         except Exception:
             logger.exception("loading the model failed; /readyz stays 503")

@@ -39,12 +39,13 @@ def _assert_error(response: httpx.Response, status: int, param: str | None) -> d
     ({"messages": CHAT, "top_p": 0}, "top_p"),
     ({"messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"messages": CHAT, "logprobs": True}, "logprobs"),
+    ({"messages": CHAT, "logprobs": "maybe"}, "logprobs"),
     ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": CHAT, "frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"messages": CHAT, "logit_bias": {"1": 5}}, "logit_bias"),
-    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"messages": CHAT, "repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": CHAT, "frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"messages": CHAT, "logit_bias": {"1": 101}}, "logit_bias"),
+    ({"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": CHAT, "repetition_penalty": 0}, "repetition_penalty"),
     ({"messages": CHAT, "no_such_field": 1}, "no_such_field"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]"),
@@ -59,7 +60,7 @@ def test_bad_chat_requests(server, served_model, body, param) -> None:
     ({"prompt": [10, 10**9]}, "prompt"),
     ({"prompt": "x", "max_tokens": -5}, "max_tokens"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "logprobs": 6}, "logprobs"),
 ])
 def test_bad_completion_requests(server, served_model, body, param) -> None:
     _assert_error(_post(server, "/completions", {"model": served_model, **body}), 400, param)

@@ -15,11 +15,16 @@ from llgtrt_core.api.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     EngineStats,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
+from llgtrt_core.api.tokenize import tokenize, detokenize
 from llgtrt_core.runtime import ModelRuntime
 
 _ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 404, 500, 503)}
@@ -52,6 +57,15 @@ def create_app(get_runtime: Callable[[], Optional[ModelRuntime]]) -> FastAPI:
     @app.get("/models", response_model=ModelList)
     async def models(loaded: ModelRuntime = Depends(runtime)) -> ModelList:
         return ModelList(data=[ModelCard(id=loaded.model_name, max_model_len=loaded.engine.max_model_len)])
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize_route(request: TokenizeRequest, loaded: ModelRuntime = Depends(runtime)) -> TokenizeResponse:
+        return tokenize(request, loaded)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize_route(request: DetokenizeRequest,
+                               loaded: ModelRuntime = Depends(runtime)) -> DetokenizeResponse:
+        return detokenize(request, loaded)
 
     @app.get("/engine/stats", response_model=EngineStats)
     async def engine_stats(loaded: ModelRuntime = Depends(runtime)) -> EngineStats:

@@ -7,11 +7,14 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from llgtrt_core.api.generation import ChoiceUpdate, close_quietly, collect
+from llgtrt_core.api.errors import APIError
+from llgtrt_core.api.generation import ChoiceResult, ChoiceUpdate, close_quietly, collect
+from llgtrt_core.api.logprobs import CompletionLogprobsBuilder, mean_logprob, token_texts
 from llgtrt_core.api.prompts import completion_prompt_ids
 from llgtrt_core.api.protocol import (
     CompletionRequest,
     CompletionResponse,
+    CompletionLogprobs,
     CompletionResponseChoice,
     CompletionStreamResponse,
     UsageInfo,
@@ -20,7 +23,7 @@ from llgtrt_core.api.protocol import (
 )
 from llgtrt_core.api.sampling import check_request, start_choices
 from llgtrt_core.api.streaming import ClientDisconnected, EventStreamResponse, cancel_on_disconnect, sse_event
-from llgtrt_core.engine.interface import GenerationRequest
+from llgtrt_core.engine.interface import GenerationRequest, TokenLogprob
 from llgtrt_core.runtime import ModelRuntime
 
 
@@ -37,6 +40,8 @@ async def completion_text(request: CompletionRequest, runtime: ModelRuntime) -> 
 
     Bad requests raise APIError before the first piece.
     """
+    if request.num_candidates > request.n:  # choosing the best needs whole candidates
+        raise APIError("best_of greater than n is not available here; use /v1/completions", param="best_of")
     _, _, updates = await _start(request, runtime, random_id("cmpl"))
     try:
         async for update in updates:
@@ -46,48 +51,83 @@ async def completion_text(request: CompletionRequest, runtime: ModelRuntime) -> 
         await close_quietly(updates)
 
 
+class _ChoiceText:
+    """One choice's text and logprobs, piece by piece; the first piece echoes the prompt when asked."""
+
+    def __init__(self, request: CompletionRequest, runtime: ModelRuntime, prompt_ids: list[int]):
+        self._echo_ids = prompt_ids if request.echo else None
+        self._tokenizer = runtime.tokenizer
+        asked = request.logprobs is not None
+        self._logprobs = CompletionLogprobsBuilder(token_texts(runtime.tokenizer)) if asked else None
+
+    def piece(self, text: str, token_ids: list[int], logprobs: Optional[list[TokenLogprob]],
+              prompt_logprobs: Optional[list[Optional[TokenLogprob]]]) -> tuple[str, Optional[CompletionLogprobs]]:
+        scored: list[Optional[TokenLogprob]] = list(logprobs or [])
+        if self._echo_ids is not None:
+            text = self._tokenizer.decode(self._echo_ids) + text
+            token_ids = self._echo_ids + token_ids
+            scored = list(prompt_logprobs or [None] * len(self._echo_ids)) + scored
+            self._echo_ids = None
+        if self._logprobs is None or logprobs is None:  # not asked for, or an engine without logprobs
+            return text, None
+        return text, self._logprobs.add(token_ids, scored)
+
+
+def _best_candidates(results: list[ChoiceResult], request: CompletionRequest) -> list[tuple[int, ChoiceResult]]:
+    """(prompt index, result) of the returned choices: of each prompt's best_of candidates, the n
+    with the highest logprob per token (all of them, in order, without best_of)."""
+    chosen = []
+    per_prompt = request.num_candidates
+    for start in range(0, len(results), per_prompt):
+        candidates = results[start: start + per_prompt]
+        if per_prompt > request.n:
+            candidates = sorted(candidates, key=lambda r: mean_logprob(r.logprobs), reverse=True)[: request.n]
+        chosen += [(start // per_prompt, r) for r in candidates]
+    return chosen
+
+
 async def create_completion(request: CompletionRequest, runtime: ModelRuntime, raw_request: Request) -> Response:
     response_id = random_id("cmpl")
     prompts, planned, updates = await _start(request, runtime, response_id)
-    # echo: choice i repeats its prompt (prompt p serves choices p*n .. p*n+n-1).
-    echoes = [runtime.tokenizer.decode(r.prompt_token_ids) if request.echo else "" for r in planned]
     prompt_tokens = sum(len(p) for p in prompts)
     if request.stream:
         include_usage = request.stream_options is not None and request.stream_options.include_usage
-        return EventStreamResponse(_stream(updates, response_id, runtime.model_name, echoes, prompt_tokens, include_usage))
+        return EventStreamResponse(
+            _stream(updates, response_id, request, runtime, prompts, prompt_tokens, include_usage))
     try:
         results = await cancel_on_disconnect(raw_request, collect(updates, len(planned)))
     except ClientDisconnected:
         return Response(status_code=499)
-    completion_tokens = sum(r.num_generated_tokens for r in results)
-    response = CompletionResponse(
-        id=response_id,
-        model=runtime.model_name,
-        choices=[
-            CompletionResponseChoice(index=i, text=echoes[i] + r.text, finish_reason=r.finish_reason)
-            for i, r in enumerate(results)
-        ],
-        usage=UsageInfo.of(prompt_tokens, completion_tokens),
-    )
+    completion_tokens = sum(r.num_generated_tokens for r in results)  # every best_of candidate counts
+    choices = []
+    for index, (prompt_index, result) in enumerate(_best_candidates(results, request)):
+        text, logprobs = _ChoiceText(request, runtime, prompts[prompt_index]).piece(
+            result.text, result.token_ids, result.logprobs, result.prompt_logprobs)
+        choices.append(CompletionResponseChoice(index=index, text=text, logprobs=logprobs,
+                                                finish_reason=result.finish_reason))
+    response = CompletionResponse(id=response_id, model=runtime.model_name, choices=choices,
+                                  usage=UsageInfo.of(prompt_tokens, completion_tokens))
     return JSONResponse(response.model_dump())
 
 
-async def _stream(updates: AsyncIterator[ChoiceUpdate], response_id: str, model: str, echoes: list[str],
-                  prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(updates: AsyncIterator[ChoiceUpdate], response_id: str, request: CompletionRequest,
+                  runtime: ModelRuntime, prompts: list[list[int]], prompt_tokens: int,
+                  include_usage: bool) -> AsyncIterator[str]:
+    """Streamed choices (best_of == n here): prompt p serves choices p*n .. p*n+n-1."""
     created = now()
 
     def chunk(choices: list[CompletionResponseChoice], usage: Optional[UsageInfo] = None) -> str:
-        return sse_event(CompletionStreamResponse(id=response_id, created=created, model=model,
+        return sse_event(CompletionStreamResponse(id=response_id, created=created, model=runtime.model_name,
                                                   choices=choices, usage=usage))
 
-    completion_tokens = [0] * len(echoes)
+    choice_texts = [_ChoiceText(request, runtime, prompt) for prompt in prompts for _ in range(request.n)]
+    completion_tokens = [0] * len(choice_texts)
     try:
-        for index, echo in enumerate(echoes):
-            if echo:
-                yield chunk([CompletionResponseChoice(index=index, text=echo)])
         async for update in updates:
             completion_tokens[update.index] = update.num_generated_tokens
-            yield chunk([CompletionResponseChoice(index=update.index, text=update.text,
+            text, logprobs = choice_texts[update.index].piece(update.text, list(update.token_ids), update.logprobs,
+                                                              update.prompt_logprobs)
+            yield chunk([CompletionResponseChoice(index=update.index, text=text, logprobs=logprobs,
                                                   finish_reason=update.finish_reason)])
         if include_usage:
             yield chunk([], UsageInfo.of(prompt_tokens, sum(completion_tokens)))

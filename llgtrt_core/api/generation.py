@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Literal, Optional, Sequence, TypeVar
 
 import anyio
 
 from llgtrt_core.api.errors import APIError
 from llgtrt_core.detokenizer import IncrementalDetokenizer
-from llgtrt_core.engine.interface import Engine, EngineError, GenerationRequest, TokenDelta
+from llgtrt_core.engine.interface import Engine, EngineError, GenerationRequest, TokenDelta, TokenLogprob
 from llgtrt_core.stop_strings import StopStringMatcher
 from llgtrt_core.tokenizer import Tokenizer
 
@@ -46,6 +46,11 @@ class ChoiceUpdate:
     text: str  # new text since the previous update of this choice (may be empty on the last)
     finish_reason: Optional[Literal["stop", "length"]]  # set on the last update only
     num_generated_tokens: int  # so far, for usage
+    # Tokens since the previous update (those of held-back text wait for the next one), with
+    # their logprobs when asked for; the first update carries the prompt's logprobs.
+    token_ids: Sequence[int] = ()
+    logprobs: Optional[list[TokenLogprob]] = None
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
 
 async def close_quietly(iterator: AsyncIterator[object]) -> None:
@@ -66,23 +71,25 @@ async def run_choice(
     except EngineError as e:  # the engine refused the request (it checks what we could not)
         raise APIError(str(e)) from e
     num_generated = 0
+    pending = _PendingTokens()
     try:
         async for delta in deltas:
             if delta.finish_reason in ("error", "abort"):
                 raise GenerationFailed(delta.error or f"the engine ended the request ({delta.finish_reason})")
             num_generated += len(delta.token_ids)
+            pending.add(delta)
             text = matcher.feed(detokenizer.add(delta.token_ids))
             if delta.finish_reason is not None and not matcher.stopped:
                 text += matcher.feed(detokenizer.flush())
                 text += matcher.flush()
             if matcher.stopped:
-                yield ChoiceUpdate(index, text, "stop", num_generated)
+                yield pending.update(index, text, "stop", num_generated)
                 return
             if delta.finish_reason is not None:
-                yield ChoiceUpdate(index, text, delta.finish_reason, num_generated)
+                yield pending.update(index, text, delta.finish_reason, num_generated)
                 return
             if text:
-                yield ChoiceUpdate(index, text, None, num_generated)
+                yield pending.update(index, text, None, num_generated)
         raise GenerationFailed("the engine stream ended without a finish reason")
     except EngineError as e:  # raised on the first step when generate() is an async generator
         raise APIError(str(e)) from e
@@ -90,11 +97,37 @@ async def run_choice(
         await close_quietly(deltas)
 
 
+class _PendingTokens:
+    """Tokens (and logprobs) not yet handed out in an update."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: Optional[list[TokenLogprob]] = None
+        self.prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+
+    def add(self, delta: TokenDelta) -> None:
+        self.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            self.logprobs = [*(self.logprobs or []), *delta.logprobs]
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+
+    def update(self, index: int, text: str, finish_reason: Optional[Literal["stop", "length"]],
+               num_generated: int) -> ChoiceUpdate:
+        update = ChoiceUpdate(index, text, finish_reason, num_generated, self.token_ids, self.logprobs,
+                              self.prompt_logprobs)
+        self.token_ids, self.logprobs, self.prompt_logprobs = [], None, None
+        return update
+
+
 @dataclass
 class ChoiceResult:
     text: str = ""
     finish_reason: Optional[Literal["stop", "length"]] = None
     num_generated_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[list[TokenLogprob]] = None
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
 
 async def collect(updates: AsyncIterator[ChoiceUpdate], num_choices: int) -> list[ChoiceResult]:
@@ -105,6 +138,12 @@ async def collect(updates: AsyncIterator[ChoiceUpdate], num_choices: int) -> lis
         result.text += update.text
         result.finish_reason = update.finish_reason
         result.num_generated_tokens = update.num_generated_tokens
+        result.token_ids += update.token_ids
+        if update.logprobs is not None:
+            result.logprobs = result.logprobs or []
+            result.logprobs += update.logprobs
+        if update.prompt_logprobs is not None:
+            result.prompt_logprobs = update.prompt_logprobs
     return results
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Optional, Union
 
 from llgtrt_core.api.errors import APIError
 from llgtrt_core.api.protocol import (
@@ -12,9 +12,12 @@ from llgtrt_core.api.protocol import (
     ChatCompletionMessageParam,
     ChatCompletionRequest,
     CompletionRequest,
+    TokenizeChatRequest,
 )
+from llgtrt_core.api.tool_calls import tool_format_of
 from llgtrt_core.chat_template import ChatTemplateError
 from llgtrt_core.tokenizer import Tokenizer
+from llgtrt_core.tools import ToolPlan, template_inputs
 
 
 def _message_text(message: ChatCompletionMessageParam, param: str) -> str:
@@ -49,21 +52,28 @@ def _template_message(message: ChatCompletionMessageParam, param: str) -> dict[s
     return as_dict
 
 
-def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def chat_prompt_text(request: Union[ChatCompletionRequest, TokenizeChatRequest], tokenizer: Tokenizer,
+                     plan: Optional[ToolPlan]) -> str:
+    """The conversation through the model's template, with the request's tools and template options."""
     if tokenizer.chat_template is None:
         raise APIError("this model has no chat template; use /v1/completions", param="messages")
     messages = [_template_message(m, f"messages[{i}]") for i, m in enumerate(request.messages)]
+    messages, tools = template_inputs(messages, plan, tool_format_of(tokenizer))
     try:
-        text = tokenizer.chat_template.render(
+        return tokenizer.chat_template.render(
             messages,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
+            tools=tools,
             extra_context=request.chat_template_kwargs,
         )
     except ChatTemplateError as e:
         raise APIError(str(e), param="messages") from e
+
+
+def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer, plan: Optional[ToolPlan] = None) -> list[int]:
     # The template writes BOS and friends itself.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(chat_prompt_text(request, tokenizer, plan), add_special_tokens=False)
 
 
 def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:

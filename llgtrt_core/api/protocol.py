@@ -144,7 +144,7 @@ class SamplingFields(OpenAIBaseModel):
     stream_options: Optional[StreamOptions] = None
     frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = None  # token id (as a string) -> -100..100
     user: Optional[str] = None
     # vLLM sampling extras
     top_k: Optional[int] = Field(default=None, ge=-1)  # 0 or -1: no top-k cut
@@ -155,6 +155,18 @@ class SamplingFields(OpenAIBaseModel):
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Which distribution logprobs report: the model's (raw) or the sampled-from one (docs/sampling.md).
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, logit_bias: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        for key, bias in (logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise ParamError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ParamError("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for {key}")
+        return logit_bias
 
     @field_validator("stop")
     @classmethod
@@ -176,16 +188,9 @@ class SamplingFields(OpenAIBaseModel):
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def _unsupported_sampling_params(self) -> list[str]:
-        in_use = {
-            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
-            "presence_penalty": self.presence_penalty not in (None, 0.0),
-            "logit_bias": bool(self.logit_bias),
-            "min_p": self.min_p not in (None, 0.0),
-            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
-            "min_tokens": self.min_tokens != 0,
-        }
-        return [name for name, used in in_use.items() if used]
+    @property
+    def token_logit_bias(self) -> dict[int, float]:
+        return {int(key): bias for key, bias in (self.logit_bias or {}).items()}
 
 
 # --------------------------------------------------------------------------- chat request
@@ -291,9 +296,18 @@ class ChatCompletionRequest(SamplingFields, ConstraintFields):
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
+        if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs to be true")
         return self
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        """Alternatives reported per generated token; None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def num_candidates(self) -> int:
+        return self.n
 
     @property
     def max_new_tokens(self) -> Optional[int]:
@@ -301,12 +315,6 @@ class ChatCompletionRequest(SamplingFields, ConstraintFields):
 
     def unsupported_params(self) -> list[str]:
         in_use = {
-            "logprobs": bool(self.logprobs),
-            "top_logprobs": bool(self.top_logprobs),
-            "tools": bool(self.tools),
-            "tool_choice": self.tool_choice not in (None, "none", "auto"),
-            "functions": bool(self.functions),
-            "function_call": self.function_call not in (None, "none", "auto"),
             "audio": self.audio is not None,
             "modalities": self.modalities not in (None, ["text"]),
             "prediction": self.prediction is not None,
@@ -316,7 +324,7 @@ class ChatCompletionRequest(SamplingFields, ConstraintFields):
             "moderation": self.moderation is not None,
             "echo": self.echo,
         }
-        return self._unsupported_sampling_params() + [name for name, used in in_use.items() if used]
+        return [name for name, used in in_use.items() if used]
 
 
 # --------------------------------------------------------------------------- completion request
@@ -325,23 +333,36 @@ class ChatCompletionRequest(SamplingFields, ConstraintFields):
 class CompletionRequest(SamplingFields, ConstraintFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = Field(default=16, ge=1)  # OpenAI's default for completions
-    best_of: Optional[int] = Field(default=None, ge=1)
+    best_of: Optional[int] = Field(default=None, ge=1, le=128)
     echo: bool = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=5)
     suffix: Optional[str] = None
     add_special_tokens: bool = True  # vLLM: add BOS and friends to text prompts
 
+    @model_validator(mode="after")
+    def _check_best_of(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < self.n:
+            raise ParamError("best_of", f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.stream and self.num_candidates > self.n:
+            raise ParamError("best_of", "best_of greater than n cannot be streamed")
+        return self
+
     @property
     def max_new_tokens(self) -> Optional[int]:
         return self.max_tokens
 
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        """Alternatives reported per token (besides the sampled one); None: no logprobs."""
+        return self.logprobs
+
+    @property
+    def num_candidates(self) -> int:
+        """Completions generated per prompt; the best n are returned."""
+        return self.best_of or self.n
+
     def unsupported_params(self) -> list[str]:
-        in_use = {
-            "best_of": self.best_of not in (None, self.n),
-            "logprobs": self.logprobs is not None,
-            "suffix": bool(self.suffix),
-        }
-        return self._unsupported_sampling_params() + [name for name, used in in_use.items() if used]
+        return ["suffix"] if self.suffix else []
 
 
 # --------------------------------------------------------------------------- responses
@@ -358,17 +379,42 @@ class UsageInfo(OpenAIResponseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+class TopLogprob(OpenAIResponseModel):
+    token: str
+    bytes: Optional[list[int]] = None  # the token's UTF-8 bytes (a token may hold part of a character)
+    logprob: float
+
+
+class ChatCompletionTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(OpenAIResponseModel):
+    content: Optional[list[ChatCompletionTokenLogprob]] = None
+    refusal: Optional[list[ChatCompletionTokenLogprob]] = None
+
+
+class CompletionLogprobs(OpenAIResponseModel):
+    """Legacy completions' logprobs: parallel lists, one entry per token (echoed prompt first)."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)  # None for the first prompt token
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: Optional[list[Optional[dict[str, float]]]] = None
+
+
 class ChatMessage(OpenAIResponseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
     refusal: Optional[str] = None
     tool_calls: Optional[list[ChatCompletionMessageToolCall]] = None
+    function_call: Optional[FunctionCall] = None  # legacy `functions` requests
 
 
 class ChatCompletionResponseChoice(OpenAIResponseModel):
     index: int
     message: ChatMessage
-    logprobs: None = None
+    logprobs: Optional[ChoiceLogprobs] = None
     finish_reason: Optional[FinishReason] = None
 
 
@@ -382,20 +428,36 @@ class ChatCompletionResponse(OpenAIResponseModel):
     system_fingerprint: Optional[str] = None
 
 
-class DeltaMessage(OpenAIResponseModel):
-    role: Optional[Literal["assistant"]] = None
-    content: Optional[str] = None
-
+class OpenAIDeltaModel(OpenAIResponseModel):
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: Any) -> dict[str, Any]:
         # The client's accumulator concatenates every string it sees: send each key only when set.
         return {key: value for key, value in handler(self).items() if value is not None}
 
 
+class DeltaFunctionCall(OpenAIDeltaModel):
+    name: Optional[str] = None  # first delta of a call only
+    arguments: Optional[str] = None  # a fragment of the arguments JSON
+
+
+class DeltaToolCall(OpenAIDeltaModel):
+    index: int
+    id: Optional[str] = None  # first delta of a call only
+    type: Optional[Literal["function"]] = None  # first delta of a call only
+    function: Optional[DeltaFunctionCall] = None
+
+
+class DeltaMessage(OpenAIDeltaModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
+    function_call: Optional[DeltaFunctionCall] = None  # legacy `functions` requests
+
+
 class ChatCompletionResponseStreamChoice(OpenAIResponseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: Optional[ChoiceLogprobs] = None
     finish_reason: Optional[FinishReason] = None
 
 
@@ -412,7 +474,7 @@ class ChatCompletionStreamResponse(OpenAIResponseModel):
 class CompletionResponseChoice(OpenAIResponseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[FinishReason] = None
 
 
@@ -451,3 +513,46 @@ class ModelList(OpenAIResponseModel):
 
 class EngineStats(OpenAIResponseModel):
     num_active: int  # engine requests submitted and not yet finished
+
+
+# --------------------------------------------------------------------------- tokenize (vLLM's shapes)
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    """Messages rendered exactly as /chat/completions renders them, tools included."""
+
+    model: Optional[str] = None
+    messages: list[ChatCompletionMessageParam] = Field(min_length=1)
+    tools: Optional[list[ChatCompletionTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], ChatCompletionNamedToolChoice]] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_special_tokens: bool = False  # the template writes BOS and friends itself
+    return_token_strs: bool = False
+
+
+TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]
+
+
+class TokenizeResponse(OpenAIResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIResponseModel):
+    prompt: str

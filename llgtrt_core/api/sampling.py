@@ -12,6 +12,7 @@ from llgtrt_core.api.errors import APIError
 from llgtrt_core.api.generation import ChoiceUpdate, TextOptions, merge, run_choice
 from llgtrt_core.api.protocol import ChatCompletionRequest, CompletionRequest
 from llgtrt_core.constraints.errors import GrammarRequestError
+from llgtrt_core.constraints.request_grammar import RequestGrammar
 from llgtrt_core.engine.interface import Constraint, GenerationRequest, SamplingParams
 from llgtrt_core.runtime import ModelRuntime
 
@@ -32,8 +33,12 @@ def check_request(request: ApiRequest, runtime: ModelRuntime) -> None:
                        param=unsupported[0], code="unsupported_parameter")
 
 
-async def make_constraint(request: ApiRequest, runtime: ModelRuntime) -> Optional[Constraint]:
-    """The one place requests meet the grammar compiler (a fresh constraint for every choice)."""
+async def make_constraint(request: ApiRequest, runtime: ModelRuntime,
+                          grammar: Optional[RequestGrammar] = None) -> Optional[Constraint]:
+    """The one place requests meet the grammar compiler (a fresh constraint for every choice).
+
+    `grammar`, when given (tool calling), replaces the one the request's own fields ask for.
+    """
     if runtime.grammars is None:
         param = request.constraint_param()
         if param is not None:
@@ -41,6 +46,8 @@ async def make_constraint(request: ApiRequest, runtime: ModelRuntime) -> Optiona
                            code="unsupported_parameter")
         return None
     try:
+        if grammar is not None:
+            return runtime.grammars.new_constraint(await runtime.grammars.compile(grammar.grammar, grammar.param))
         return await runtime.grammars.constraint_for_request(request)
     except GrammarRequestError as e:  # bad schema / grammar: llguidance says what is wrong
         raise APIError(str(e), param=e.param) from e
@@ -79,38 +86,69 @@ def _stop_token_ids(request: ApiRequest, runtime: ModelRuntime) -> frozenset[int
     return eos | frozenset(extra)
 
 
+def _logit_bias(request: ApiRequest, vocab_size: int) -> dict[int, float]:
+    bias = request.token_logit_bias
+    if any(t >= vocab_size for t in bias):
+        raise APIError(f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias")
+    return bias
+
+
+def _min_tokens(request: ApiRequest, max_tokens: int) -> int:
+    if request.min_tokens > max_tokens:
+        raise APIError(f"min_tokens ({request.min_tokens}) must not exceed the completion's max_tokens ({max_tokens})",
+                       param="min_tokens")
+    return request.min_tokens
+
+
 def _text_options(request: ApiRequest) -> TextOptions:
     return TextOptions(request.stop_strings, request.include_stop_str_in_output, request.skip_special_tokens)
 
 
 async def _engine_requests(request: ApiRequest, runtime: ModelRuntime, prompts: list[list[int]],
-                    request_id: str) -> list[GenerationRequest]:
-    """Choice i of prompt p gets index p * n + i, and seed + index so seeded choices differ."""
+                    request_id: str, grammar: Optional[RequestGrammar] = None) -> list[GenerationRequest]:
+    """Candidate i of prompt p gets index p * num_candidates + i, and seed + index so seeded
+    candidates differ (num_candidates is best_of, or n)."""
     prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
     stop_token_ids = _stop_token_ids(request, runtime)
     top_k = request.top_k if request.top_k is not None and request.top_k > 0 else 0
+    logit_bias = _logit_bias(request, runtime.engine.vocab_size)
+    num_logprobs = request.num_logprobs
+    if num_logprobs is None and request.num_candidates > request.n:
+        num_logprobs = 0  # best_of ranks candidates by their logprobs
+    # Completions with echo score the prompt too (the legacy logprobs start with the echoed prompt).
+    prompt_logprobs = request.num_logprobs if isinstance(request, CompletionRequest) and request.echo else None
     planned = []
     for prompt_index, prompt_ids in enumerate(prompts):
         max_tokens = _max_tokens(request, len(prompt_ids), runtime.engine.max_model_len, prompt_param)
-        for choice in range(request.n):
-            index = prompt_index * request.n + choice
+        for choice in range(request.num_candidates):
+            index = prompt_index * request.num_candidates + choice
             sampling = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if request.temperature is None else request.temperature,
                 top_p=1.0 if request.top_p is None else request.top_p,
                 top_k=top_k,
+                min_p=request.min_p or 0.0,
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+                logit_bias=logit_bias,
+                min_tokens=_min_tokens(request, max_tokens),
                 seed=None if request.seed is None else (request.seed + index) % _SEED_MODULUS,
                 stop_token_ids=stop_token_ids,
+                logprobs=num_logprobs,
+                prompt_logprobs=prompt_logprobs,
+                logprobs_mode=request.logprobs_mode,
             )
             planned.append(GenerationRequest(f"{request_id}-{index}", prompt_ids, sampling,
-                                             await make_constraint(request, runtime)))
+                                             await make_constraint(request, runtime, grammar)))
     return planned
 
 
-async def start_choices(request: ApiRequest, runtime: ModelRuntime, prompts: list[list[int]], request_id: str
+async def start_choices(request: ApiRequest, runtime: ModelRuntime, prompts: list[list[int]], request_id: str,
+                        grammar: Optional[RequestGrammar] = None
                         ) -> tuple[list[GenerationRequest], AsyncIterator[ChoiceUpdate]]:
     """Plan every choice and return their merged updates (nothing runs until iterated)."""
-    planned = await _engine_requests(request, runtime, prompts, request_id)
+    planned = await _engine_requests(request, runtime, prompts, request_id, grammar)
     options = _text_options(request)
     choices = [run_choice(runtime.engine, runtime.tokenizer, i, r, options) for i, r in enumerate(planned)]
     return planned, merge(choices)

@@ -11,23 +11,39 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Literal, Optional, Protocol, Sequence
+from typing import AsyncIterator, Literal, Mapping, Optional, Protocol, Sequence
 
 import torch
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+# Which distribution logprobs report: the model's own ("raw", before the constraint mask and every
+# sampling control) or the one the token is drawn from ("processed"). docs/sampling.md.
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding controls, already validated by the serving layer."""
+    """Per-request decoding controls, already validated by the serving layer.
+
+    Applied in this order (docs/sampling.md): constraint mask, min_tokens, logit_bias, penalties,
+    temperature, min_p, top_k, top_p, then the draw (argmax when greedy).
+    """
 
     max_tokens: int
     temperature: float = 1.0  # 0 means greedy (argmax)
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # prompt or generated tokens: positive logits / it, negative ones * it
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_tokens: int = 0  # stop_token_ids are masked until this many tokens were generated
     seed: Optional[int] = None  # per-request generator: reproducible whatever the batch holds
     stop_token_ids: frozenset[int] = frozenset()  # EOS and friends; the token is not emitted
+    logprobs: Optional[int] = None  # report each sampled token's logprob and this many alternatives
+    prompt_logprobs: Optional[int] = None  # the same for every prompt token but the first
+    logprobs_mode: LogprobsMode = "raw_logprobs"
 
     @property
     def greedy(self) -> bool:
@@ -78,12 +94,24 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """Log probability of one token at one position, and the most likely tokens there."""
+
+    logprob: float  # -inf for a token the distribution excludes
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
 class TokenDelta:
     """New tokens of one request since the last delta; `finish_reason` is set on the last one."""
 
     token_ids: list[int] = field(default_factory=list)
     finish_reason: Optional[FinishReason] = None
     error: Optional[str] = None  # set when finish_reason == "error"
+    # One per token id, when SamplingParams.logprobs is set (None from an engine without logprobs).
+    logprobs: Optional[list[TokenLogprob]] = None
+    # On the first delta when SamplingParams.prompt_logprobs is set: one per prompt token, None first.
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
 
 class EngineError(Exception):

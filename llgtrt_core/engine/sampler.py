@@ -1,4 +1,15 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, and per-request seeded generators.
+"""Batched sampling with every per-request control, and logprobs.
+
+`BatchSampler` keeps the sampling state of the running batch on the device, one row per running
+sequence (row i samples logits row i): a table of per-row parameters written once when a request
+is admitted, and the token counts the penalties need, updated on the device after every draw. A
+step therefore applies every request's own settings in a few batched tensor ops, with no host
+copy of parameters; the host only reads back the sampled tokens (and logprobs, when asked), once.
+
+Pipeline of one row (docs/sampling.md): the constraint mask is already in the logits, then
+min_tokens (stop tokens masked), logit_bias, repetition / frequency / presence penalties,
+temperature, min_p, top_k, top_p, the draw. A masked token is -inf and every later step keeps it
+-inf (-inf + bias, -inf * penalty), so no control can bring back a token the constraint forbids.
 
 Each row draws its randomness from its own generator, so a seeded request samples the same
 tokens whatever else shares its batch. Sampling uses the exponential race
@@ -7,11 +18,45 @@ tokens whatever else shares its batch. Sampling uses the exponential race
 
 from __future__ import annotations
 
-from typing import Sequence
+import enum
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
-from llgtrt_core.engine.interface import SamplingParams
+from llgtrt_core.engine.interface import SamplingParams, TokenLogprob
+
+
+class _Col(enum.IntEnum):
+    """Columns of the per-row parameter table."""
+
+    TEMPERATURE = 0
+    TOP_K = 1
+    TOP_P = 2
+    MIN_P = 3
+    PRESENCE = 4
+    FREQUENCY = 5
+    REPETITION = 6
+    MIN_TOKENS = 7
+    RAW_LOGPROBS = 8  # 1: report the raw distribution, 0: the processed one
+
+
+def _table_row(params: SamplingParams) -> list[float]:
+    row = [0.0] * len(_Col)
+    row[_Col.TEMPERATURE] = params.temperature
+    row[_Col.TOP_K] = params.top_k
+    row[_Col.TOP_P] = params.top_p
+    row[_Col.MIN_P] = params.min_p
+    row[_Col.PRESENCE] = params.presence_penalty
+    row[_Col.FREQUENCY] = params.frequency_penalty
+    row[_Col.REPETITION] = params.repetition_penalty
+    row[_Col.MIN_TOKENS] = params.min_tokens
+    row[_Col.RAW_LOGPROBS] = float(params.logprobs_mode == "raw_logprobs")
+    return row
+
+
+def _uses_penalties(params: SamplingParams) -> bool:
+    return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -28,26 +73,195 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
-) -> torch.Tensor:
-    """logits: (n, vocab) float32, already constrained. Returns the sampled token ids (n,)."""
-    greedy_tokens = logits.argmax(dim=-1)
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not random_rows:
-        return greedy_tokens
-    device = logits.device
-    rows = torch.tensor(random_rows, device=device)
-    temperature = torch.tensor([params[i].temperature for i in random_rows], device=device)
-    scaled = logits[rows] / temperature.unsqueeze(1)
-    if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in random_rows):
-        top_k = torch.tensor([params[i].top_k for i in random_rows], device=device)
-        top_p = torch.tensor([params[i].top_p for i in random_rows], device=device)
-        scaled = apply_top_k_top_p(scaled, top_k, top_p)
-    probs = scaled.softmax(dim=-1)
-    noise = torch.empty_like(probs)
-    for j, i in enumerate(random_rows):
-        noise[j].exponential_(generator=generators[i])
-    # A zero draw would turn a masked (p = 0) token into 0/0 = nan: keep noise positive.
-    sampled = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
-    return greedy_tokens.index_copy(0, rows, sampled)
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf the tokens whose probability is below min_p times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]
+                   ) -> tuple[list[int], list[TokenLogprob]]:
+    """Row i: token_ids[i], its logprob and its num_top[i] most likely alternatives.
+
+    One device-to-host copy for all rows (token ids travel as float64, exact below 2**53).
+    """
+    k = max(num_top, default=0)
+    parts = [token_ids.unsqueeze(1).double(), logprobs.gather(1, token_ids.unsqueeze(1)).double()]
+    if k:
+        top = logprobs.topk(k, dim=-1)
+        parts += [top.values.double(), top.indices.double()]
+    host = torch.cat(parts, dim=1).tolist()
+    ids, reported = [], []
+    for row, wanted in zip(host, num_top):
+        ids.append(int(row[0]))
+        reported.append(TokenLogprob(row[1], tuple((int(row[2 + k + j]), row[2 + j]) for j in range(wanted))))
+    return ids, reported
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[Optional[TokenLogprob]]  # None for rows that did not ask for logprobs
+
+
+class BatchSampler:
+    """Sampling state of up to `max_rows` running sequences; row i samples logits row i."""
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        self._table = torch.zeros(max_rows, len(_Col), device=device)
+        self._generated = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self._params: list[Optional[SamplingParams]] = [None] * max_rows
+        self._generators: list[Optional[torch.Generator]] = [None] * max_rows
+        # (max_rows, vocab) state, allocated when a request first needs it.
+        self._output_counts: Optional[torch.Tensor] = None  # int32: times each token was generated
+        self._prompt_tokens: Optional[torch.Tensor] = None  # bool: token is in the prompt
+        self._bias: Optional[torch.Tensor] = None  # float32: logit_bias
+        self._stop_tokens: Optional[torch.Tensor] = None  # bool: tokens min_tokens holds back
+
+    # ---- batch membership (called between steps) ---------------------------------------
+    # Every method runs in inference mode: state allocated in one call (an inference tensor) is
+    # updated in place by the next, whichever mode the engine calls from.
+
+    @torch.inference_mode()
+    def add(self, row: int, params: SamplingParams, prompt_token_ids: Sequence[int],
+            generator: torch.Generator) -> None:
+        """Admit a request into `row`: one host-to-device copy of its parameters, plus its
+        prompt / bias / stop-token rows when it uses penalties, logit_bias or min_tokens."""
+        self._params[row] = params
+        self._generators[row] = generator
+        self._table[row].copy_(torch.tensor(_table_row(params)))
+        self._generated[row] = 0
+        if _uses_penalties(params) or self._output_counts is not None:
+            self._output_counts = self._allocated(self._output_counts, torch.int32)
+            self._output_counts[row].zero_()
+        if params.repetition_penalty != 1.0 or self._prompt_tokens is not None:
+            self._prompt_tokens = self._allocated(self._prompt_tokens, torch.bool)
+            self._prompt_tokens[row].zero_()
+            if params.repetition_penalty != 1.0:
+                self._prompt_tokens[row, torch.tensor(list(prompt_token_ids), device=self.device)] = True
+        if params.logit_bias or self._bias is not None:
+            self._bias = self._allocated(self._bias, torch.float32)
+            self._bias[row] = self._dense_row(params.logit_bias, torch.float32)
+        if params.min_tokens > 0 or self._stop_tokens is not None:
+            self._stop_tokens = self._allocated(self._stop_tokens, torch.bool)
+            self._stop_tokens[row] = self._dense_row(dict.fromkeys(params.stop_token_ids, True), torch.bool)
+
+    @torch.inference_mode()
+    def move(self, src: int, dst: int) -> None:
+        """Row `src` now lives in row `dst` (a device copy; the batch stays dense)."""
+        self._params[dst], self._generators[dst] = self._params[src], self._generators[src]
+        self._params[src] = self._generators[src] = None
+        for state in (self._table, self._generated, self._output_counts, self._prompt_tokens, self._bias,
+                      self._stop_tokens):
+            if state is not None:
+                state[dst] = state[src]
+
+    def _allocated(self, state: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        if state is None:
+            state = torch.zeros(self._table.shape[0], self.vocab_size, dtype=dtype, device=self.device)
+        return state
+
+    def _dense_row(self, values: dict[int, float], dtype: torch.dtype) -> torch.Tensor:
+        row = torch.zeros(self.vocab_size, dtype=dtype)
+        if values:
+            ids = torch.tensor([t for t in values if t < self.vocab_size], dtype=torch.int64)
+            row[ids] = torch.tensor([values[t] for t in values if t < self.vocab_size], dtype=dtype)
+        return row.to(self.device)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def raw_logprobs(self, logits: torch.Tensor) -> Optional[torch.Tensor]:
+        """The model's distribution, for rows reporting raw logprobs; call before the constraint mask."""
+        params = self._params[: logits.shape[0]]
+        if not any(p.logprobs is not None and p.logprobs_mode == "raw_logprobs" for p in params):
+            return None
+        return logits.float().log_softmax(dim=-1)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, raw_logprobs: Optional[torch.Tensor] = None) -> SampleOutput:
+        """logits: (n, vocab) float32 of rows 0..n-1, already constrained. Draws one token per row.
+
+        raw_logprobs: what `raw_logprobs` returned before the constraint mask; without it, the
+        logits given here count as the raw ones.
+        """
+        n = logits.shape[0]
+        if raw_logprobs is None:
+            raw_logprobs = self.raw_logprobs(logits)
+        params: list[SamplingParams] = self._params[:n]  # type: ignore[assignment]
+        table = self._table[:n]
+        scores = self._adjusted(logits, params)
+        greedy_tokens = scores.argmax(dim=-1)
+        wants_processed = any(p.logprobs is not None and p.logprobs_mode == "processed_logprobs" for p in params)
+        if all(p.greedy for p in params) and not wants_processed:
+            tokens = greedy_tokens
+        else:
+            temperature = table[:, _Col.TEMPERATURE]
+            scores = scores / torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
+            if any(p.min_p > 0 for p in params):
+                scores = apply_min_p(scores, table[:, _Col.MIN_P])
+            if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+                scores = apply_top_k_top_p(scores, table[:, _Col.TOP_K].long(), table[:, _Col.TOP_P])
+            tokens = torch.where(temperature > 0, self._draw(scores, params), greedy_tokens)
+        output = self._read_back(params, tokens, raw_logprobs, scores if wants_processed else None)
+        self._record(tokens)
+        return output
+
+    def _adjusted(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """min_tokens, logit_bias and penalties: the controls that apply to greedy rows too."""
+        n = logits.shape[0]
+        scores = logits
+        if any(p.min_tokens > 0 for p in params):
+            holding = self._generated[:n] < self._table[:n, _Col.MIN_TOKENS]
+            held = scores.masked_fill(self._stop_tokens[:n] & holding.unsqueeze(1), float("-inf"))
+            # A row the constraint lets end only with a stop token keeps it (never an empty row).
+            scores = torch.where(held.isfinite().any(dim=-1, keepdim=True), held, scores)
+        if any(p.logit_bias for p in params):
+            scores = scores + self._bias[:n]
+        if any(_uses_penalties(p) for p in params):
+            scores = self._penalized(scores, n)
+        return scores
+
+    def _penalized(self, scores: torch.Tensor, n: int) -> torch.Tensor:
+        table = self._table[:n]
+        counts = self._output_counts[:n]
+        generated = counts > 0
+        repetition = table[:, _Col.REPETITION].unsqueeze(1)
+        if self._prompt_tokens is not None:
+            seen = generated | self._prompt_tokens[:n]
+            scores = torch.where(seen, torch.where(scores > 0, scores / repetition, scores * repetition), scores)
+        return (scores - counts * table[:, _Col.FREQUENCY].unsqueeze(1)
+                - generated * table[:, _Col.PRESENCE].unsqueeze(1))
+
+    def _draw(self, scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        probs = scores.softmax(dim=-1)
+        noise = torch.ones_like(probs)
+        for row, p in enumerate(params):
+            if not p.greedy:
+                noise[row].exponential_(generator=self._generators[row])
+        # A zero draw would turn a masked (p = 0) token into 0/0 = nan: keep noise positive.
+        return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+    def _read_back(self, params: Sequence[SamplingParams], tokens: torch.Tensor, raw: Optional[torch.Tensor],
+                   processed_scores: Optional[torch.Tensor]) -> SampleOutput:
+        """The tokens, with the logprobs the rows asked for, in one device-to-host copy."""
+        if not any(p.logprobs is not None for p in params):
+            return SampleOutput(tokens.tolist(), [None] * len(params))
+        if processed_scores is None:
+            logprobs = raw
+        else:
+            processed = processed_scores.log_softmax(dim=-1)
+            use_raw = self._table[: len(params), _Col.RAW_LOGPROBS].bool().unsqueeze(1)
+            logprobs = processed if raw is None else torch.where(use_raw, raw, processed)
+        ids, reported = token_logprobs(logprobs, tokens, [p.logprobs or 0 for p in params])
+        return SampleOutput(ids, [lp if p.logprobs is not None else None for lp, p in zip(reported, params)])
+
+    def _record(self, tokens: torch.Tensor) -> None:
+        n = tokens.shape[0]
+        self._generated[:n] += 1
+        if self._output_counts is not None:
+            ones = torch.ones(n, 1, dtype=torch.int32, device=tokens.device)
+            self._output_counts[:n].scatter_add_(1, tokens.unsqueeze(1), ones)
