@@ -1,0 +1,362 @@
+"""The TensorRT-LLM engine: TensorRT-LLM 1.x driven in-process through its LLM API.
+
+Two backends, as TensorRT-LLM 1.2 has them: `tensorrt_llm.LLM` runs a Hugging Face checkpoint
+on its PyTorch backend; `tensorrt_llm._tensorrt_engine.LLM` runs a prebuilt TensorRT engine
+directory. We tokenize ourselves, so TensorRT-LLM gets token ids, no tokenizer
+(`skip_tokenizer_init=True`), and an explicit `end_id`.
+
+Constraints go through our engine-wide `LogitsPostProcessor` (see `trtllm_processors`): the
+TensorRT backend gets one batched processor at construction and constrained requests opt in
+with `apply_batched_logits_processor=True`; the PyTorch backend gets a per-request processor.
+Both need TensorRT-LLM's executor in this process, which is how this adapter runs it at
+tensor_parallel_size 1 (TLLM_WORKER_USE_SINGLE_PROCESS=1); at larger TP the per-request
+processor rebuilds its matcher in TensorRT-LLM's worker processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Literal, Optional
+
+from llgtrt_core.engine.interface import (
+    Engine,
+    EngineError,
+    FinishReason,
+    GenerationRequest,
+    LogitsPostProcessor,
+    SamplingParams,
+    TokenDelta,
+)
+from llgtrt_core.engine.trtllm_processors import (
+    BatchedConstraintProcessor,
+    ConstrainedRequests,
+    ProcessorSession,
+    RequestConstraintProcessor,
+    WorkerGrammar,
+    register_session,
+    unregister_session,
+)
+
+logger = logging.getLogger(__name__)
+
+Backend = Literal["pytorch", "tensorrt"]
+
+SINGLE_PROCESS_ENV = "TLLM_WORKER_USE_SINGLE_PROCESS"
+
+# TensorRT-LLM's CompletionOutput.finish_reason -> ours
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "cancelled": "abort"}
+
+
+@dataclass
+class TrtLlmEngineConfig:
+    """KV-cache, batch and parallelism settings, from the service's config."""
+
+    model_dir: str  # HF checkpoint (pytorch backend) or TensorRT engine directory (tensorrt)
+    backend: Backend
+    vocab_size: int  # logits width
+    max_model_len: int  # prompt + completion tokens (the engine's max_seq_len)
+    eos_token_id: int
+    tokenizer_dir: Optional[str] = None  # HF tokenizer files; worker processes rebuild grammars from it
+    tensor_parallel_size: int = 1
+    max_batch_size: Optional[int] = None
+    max_num_tokens: Optional[int] = None
+    max_seq_len: Optional[int] = None
+    kv_cache_free_gpu_memory_fraction: float = 0.9
+    kv_cache_max_tokens: Optional[int] = None
+    enable_block_reuse: bool = True
+    # TP 1: run TensorRT-LLM's executor in this process, so processors see our constraints
+    single_process: bool = True
+    # PyTorch backend: the overlap scheduler runs step N+1's forward before step N's tokens
+    # reach the requests, so a logits processor would see a sequence one token behind
+    disable_overlap_scheduler: bool = True
+    extra_llm_args: dict[str, Any] = field(default_factory=dict)  # passed through to LLM(...)
+
+    @property
+    def in_process(self) -> bool:
+        return self.single_process and self.tensor_parallel_size == 1
+
+
+def config_for_stored_model(
+    model_dir: Path, engine_kind: str, vocab_size: int, context_length: int, eos_token_id: int, **overrides: Any
+) -> TrtLlmEngineConfig:
+    """Config for a stored model (layout of llgtrt_core.model_store): a checkpoint at the top
+    level (engine `tensorrt_llm`) or a TensorRT engine under `engine/` (`tensorrt_llm_engine`)."""
+    if engine_kind == "tensorrt_llm":
+        backend: Backend = "pytorch"
+        weights = model_dir
+    elif engine_kind == "tensorrt_llm_engine":
+        backend = "tensorrt"
+        weights = model_dir / "engine"
+    else:
+        raise ValueError(f"engine {engine_kind!r} is not a TensorRT-LLM engine kind")
+    return TrtLlmEngineConfig(
+        model_dir=str(weights),
+        backend=backend,
+        vocab_size=vocab_size,
+        max_model_len=context_length,
+        eos_token_id=eos_token_id,
+        tokenizer_dir=str(model_dir),
+        **overrides,
+    )
+
+
+def trt_sampling_kwargs(sampling: SamplingParams, max_tokens: int, eos_token_id: int) -> dict[str, Any]:
+    """Our SamplingParams as keyword arguments of tensorrt_llm.SamplingParams.
+
+    Greedy is `top_k=1` with temperature and top_p unset (what TensorRT-LLM resolves to greedy
+    in both backends). Sampling always passes top_p (1.0 = no cut): with top_k and top_p both
+    unset TensorRT-LLM 1.x decodes greedily whatever the temperature. Only our stop tokens end
+    a request: `end_id` is the EOS when it is one of them, another stop token otherwise, and
+    when there are none EOS is ignored (`ignore_eos`). No stop strings: the serving layer
+    handles those.
+    """
+    stops = set(sampling.stop_token_ids)
+    end_id = eos_token_id if eos_token_id in stops or not stops else min(stops)
+    kwargs: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "end_id": end_id,
+        "pad_id": end_id,
+        "n": 1,
+        "detokenize": False,
+    }
+    if not stops:
+        kwargs["ignore_eos"] = True
+    other_stops = sorted(stops - {end_id})
+    if other_stops:
+        kwargs["stop_token_ids"] = other_stops
+    if sampling.greedy:
+        kwargs["top_k"] = 1
+    else:
+        kwargs["temperature"] = sampling.temperature
+        kwargs["top_p"] = sampling.top_p
+        if sampling.top_k > 0:
+            kwargs["top_k"] = sampling.top_k
+    if sampling.seed is not None:
+        kwargs["seed"] = sampling.seed
+    for name, neutral in _PASSED_THROUGH:
+        value = getattr(sampling, name)
+        if value != neutral:
+            kwargs[name] = value
+    return kwargs
+
+
+# Sampling controls TensorRT-LLM's SamplingParams takes under the same names, with their no-op values.
+_PASSED_THROUGH = (
+    ("min_p", 0.0),
+    ("presence_penalty", 0.0),
+    ("frequency_penalty", 0.0),
+    ("repetition_penalty", 1.0),
+    ("min_tokens", 0),
+)
+
+
+def unsupported_sampling(sampling: SamplingParams) -> Optional[str]:
+    """What this adapter cannot honour yet (refused, never silently dropped)."""
+    if sampling.logit_bias:
+        return "logit_bias is not supported with the TensorRT-LLM engine yet"
+    if sampling.logprobs is not None or sampling.prompt_logprobs is not None:
+        return "logprobs are not supported with the TensorRT-LLM engine yet"
+    return None
+
+
+def finish_reason_of(trt_reason: Optional[str]) -> tuple[FinishReason, Optional[str]]:
+    """TensorRT-LLM's finish reason ('stop', 'length', 'timeout', 'cancelled') -> ours, with an
+    error message for the ones that are failures."""
+    reason = _FINISH_REASONS.get(trt_reason or "")
+    if reason is not None:
+        return reason, None
+    if trt_reason == "timeout":
+        return "error", "TensorRT-LLM timed the request out"
+    return "error", f"TensorRT-LLM finished the request without a known reason ({trt_reason!r})"
+
+
+@dataclass
+class _Running:
+    output: Any  # tensorrt_llm RequestOutput, updated in place each step
+    aborted: asyncio.Event
+
+
+class TrtLlmEngine(Engine):
+    """`Engine` over `tensorrt_llm.LLM`; every method is called from the event loop."""
+
+    def __init__(self, config: TrtLlmEngineConfig, postprocessor: Optional[LogitsPostProcessor] = None) -> None:
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.max_model_len = config.max_model_len
+        self.postprocessor = postprocessor  # the same object can drive the embedded engine
+        self.constrained = ConstrainedRequests()
+        self._session_id = uuid.uuid4().hex
+        self._llm: Any = None
+        self._running: dict[str, _Running] = {}
+        self.batched_processor: Optional[BatchedConstraintProcessor] = None
+        if postprocessor is not None:
+            session = ProcessorSession(self.constrained, postprocessor, config.eos_token_id)
+            register_session(self._session_id, session)
+            if config.backend == "tensorrt" and config.in_process:
+                self.batched_processor = BatchedConstraintProcessor(session)
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Build the LLM on the event loop's thread: TensorRT-LLM may spawn MPI workers and
+        install handlers, which it expects to do from the main thread. Blocks until loaded."""
+        if self._llm is None:
+            self._llm = self._build_llm()
+
+    def _build_llm(self) -> Any:
+        config = self.config
+        if config.in_process:
+            os.environ.setdefault(SINGLE_PROCESS_ENV, "1")
+        from tensorrt_llm.llmapi import KvCacheConfig
+
+        kv_cache = {"free_gpu_memory_fraction": config.kv_cache_free_gpu_memory_fraction}
+        kv_cache["enable_block_reuse"] = config.enable_block_reuse
+        if config.kv_cache_max_tokens is not None:
+            kv_cache["max_tokens"] = config.kv_cache_max_tokens
+        kwargs: dict[str, Any] = {
+            "skip_tokenizer_init": True,
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "kv_cache_config": KvCacheConfig(**kv_cache),
+        }
+        for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
+            if getattr(config, name) is not None:
+                kwargs[name] = getattr(config, name)
+        if config.backend == "tensorrt":
+            from tensorrt_llm._tensorrt_engine import LLM
+
+            if self.batched_processor is not None:
+                kwargs["batched_logits_processor"] = self.batched_processor
+        else:
+            from tensorrt_llm import LLM
+
+            kwargs["disable_overlap_scheduler"] = config.disable_overlap_scheduler
+        kwargs.update(config.extra_llm_args)
+        logger.info("loading TensorRT-LLM (%s backend) from %s", config.backend, config.model_dir)
+        return LLM(config.model_dir, **kwargs)
+
+    async def shutdown(self) -> None:
+        for request_id in list(self._running):
+            self.abort(request_id)
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            await asyncio.to_thread(llm.shutdown)
+        unregister_session(self._session_id)
+
+    # --- requests -----------------------------------------------------------------------
+
+    @property
+    def num_active(self) -> int:
+        return len(self._running)
+
+    def abort(self, request_id: str) -> None:
+        running = self._running.get(request_id)
+        if running is not None and not running.aborted.is_set():
+            running.aborted.set()
+            running.output.abort()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        output, constraint_key = self._submit(request)
+        running = _Running(output, asyncio.Event())
+        self._running[request.request_id] = running
+        stops = set(request.sampling.stop_token_ids)
+        finished = False
+        aborted = asyncio.ensure_future(running.aborted.wait())
+        try:
+            while not finished:
+                step = asyncio.ensure_future(output.__anext__())
+                await asyncio.wait({step, aborted}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    step.cancel()
+                    finished = True
+                    yield TokenDelta(finish_reason="abort")
+                    return
+                try:
+                    step.result()
+                except StopAsyncIteration:
+                    finished = True
+                    yield TokenDelta(finish_reason="error", error="TensorRT-LLM ended the stream without a result")
+                    return
+                except Exception as error:  # the executor's failures arrive here
+                    finished = True
+                    yield TokenDelta(finish_reason="error", error=f"TensorRT-LLM: {error}")
+                    return
+                delta, finished = self._delta(output, request, stops, constraint_key)
+                if delta.token_ids or delta.finish_reason:
+                    yield delta
+        finally:
+            aborted.cancel()
+            if not finished and not running.aborted.is_set():
+                output.abort()  # the consumer closed the stream early
+            self._running.pop(request.request_id, None)
+            if constraint_key is not None:
+                self.constrained.remove(constraint_key)
+
+    def _submit(self, request: GenerationRequest) -> tuple[Any, Any]:
+        """Submit to TensorRT-LLM; returns the streaming output and the constraint table key."""
+        if self._llm is None:
+            raise EngineError("the TensorRT-LLM engine is not running")
+        if request.request_id in self._running:
+            raise EngineError(f"request id {request.request_id!r} is already running")
+        prompt = list(request.prompt_token_ids)
+        if not prompt:
+            raise EngineError("the prompt is empty")
+        room = self.max_model_len - len(prompt)
+        if room <= 0:
+            raise EngineError(f"the prompt has {len(prompt)} tokens; the model takes at most {self.max_model_len - 1}")
+        from tensorrt_llm import SamplingParams as TrtSamplingParams
+
+        if (reason := unsupported_sampling(request.sampling)) is not None:
+            raise EngineError(reason)
+        kwargs = trt_sampling_kwargs(request.sampling, min(request.sampling.max_tokens, room), self.config.eos_token_id)
+        constraint = request.constraint
+        if constraint is None:
+            return self._llm.generate_async(prompt, TrtSamplingParams(**kwargs), streaming=True), None
+        if self.postprocessor is None:
+            raise EngineError("this engine was built without a constraint post-processor")
+        if self.batched_processor is not None:
+            params = TrtSamplingParams(apply_batched_logits_processor=True, **kwargs)
+            with self.constrained.lock:  # registered before TensorRT-LLM can run a step for it
+                output = self._llm.generate_async(prompt, params, streaming=True)
+                self.constrained.add(output.request_id, constraint, len(prompt))
+            return output, output.request_id
+        key = request.request_id
+        processor = RequestConstraintProcessor(self._session_id, key, self._worker_grammar(constraint))
+        if not self.config.in_process and processor.worker_grammar is None:
+            raise EngineError("constrained requests at tensor_parallel_size > 1 need the grammar text")
+        self.constrained.add(key, constraint, len(prompt))
+        try:
+            output = self._llm.generate_async(prompt, TrtSamplingParams(logits_processor=processor, **kwargs), streaming=True)
+        except BaseException:
+            self.constrained.remove(key)
+            raise
+        return output, key
+
+    def _worker_grammar(self, constraint: Any) -> Optional[WorkerGrammar]:
+        grammar = getattr(constraint, "grammar", None)
+        if not isinstance(grammar, str) or self.config.tokenizer_dir is None:
+            return None
+        return WorkerGrammar(grammar, self.config.tokenizer_dir, self.vocab_size, (self.config.eos_token_id,))
+
+    def _delta(
+        self, output: Any, request: GenerationRequest, stops: set[int], constraint_key: Any
+    ) -> tuple[TokenDelta, bool]:
+        """The tokens TensorRT-LLM added with its latest response, and whether it was the last."""
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids_diff)
+        tracked = self.constrained.get(constraint_key) if constraint_key is not None else None
+        if tracked is not None and tracked.error:
+            output.abort()
+            if tokens and tokens[-1] == self.config.eos_token_id:
+                tokens.pop()  # forced by the processor to end the sequence, not generated
+            return TokenDelta(tokens, "error", tracked.error), True
+        if not output.finished:
+            return TokenDelta(tokens), False
+        reason, error = finish_reason_of(completion.finish_reason)
+        if reason == "stop" and tokens and tokens[-1] in stops:
+            tokens.pop()  # a stop token is not emitted
+        return TokenDelta(tokens, reason, error), True

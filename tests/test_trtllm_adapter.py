@@ -1,0 +1,476 @@
+"""The TensorRT-LLM adapter against a FAKE `tensorrt_llm` (tests/fake_tensorrt_llm): the real
+wheel cannot be installed here. Our own parts are real: the adapter, its processors, the
+llguidance MaskPostProcessor and the mask kernel's CPU path. Only tensorrt_llm is faked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pickle
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import pytest
+import torch
+from llguidance import LLMatcher, LLTokenizer
+
+from llgtrt_core.constraints.grammar import GrammarConstraint
+from llgtrt_core.constraints.postprocessor import MaskPostProcessor
+from llgtrt_core.engine.interface import ConstrainedRow, EngineError, GenerationRequest, SamplingParams
+from llgtrt_core.engine.trtllm_engine import (
+    TrtLlmEngine,
+    TrtLlmEngineConfig,
+    config_for_stored_model,
+    finish_reason_of,
+    trt_sampling_kwargs,
+    unsupported_sampling,
+)
+from llgtrt_core.engine.trtllm_processors import (
+    BatchedConstraintProcessor,
+    ConstrainedRequests,
+    ProcessorSession,
+    RequestConstraintProcessor,
+    WorkerGrammar,
+    copy_mask_to_other_beams,
+)
+
+FAKE_ROOT = Path(__file__).parent / "fake_tensorrt_llm"
+BYTE_TOKENIZER = LLTokenizer("byte")  # 262 tokens: bytes 0-255, specials; EOS 261
+VOCAB = BYTE_TOKENIZER.vocab_size
+EOS = 261
+ABC = [97, 98, 99]
+
+
+def _drop_tensorrt_llm_modules() -> None:
+    for name in [n for n in sys.modules if n == "tensorrt_llm" or n.startswith("tensorrt_llm.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def fake_trt(monkeypatch):
+    """The FAKE tensorrt_llm, in sys.modules for this test only."""
+    _drop_tensorrt_llm_modules()
+    monkeypatch.syspath_prepend(str(FAKE_ROOT))
+    monkeypatch.delenv("TLLM_WORKER_USE_SINGLE_PROCESS", raising=False)
+    import tensorrt_llm
+
+    assert tensorrt_llm.IS_FAKE
+    yield tensorrt_llm
+    _drop_tensorrt_llm_modules()
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    return tmp_path
+
+
+class RecordingPostProcessor:
+    """Delegates to the real MaskPostProcessor and remembers what each call got."""
+
+    def __init__(self) -> None:
+        self.real = MaskPostProcessor(BYTE_TOKENIZER, max_batch_size=8, num_threads=2)
+        self.calls: list[tuple[list[tuple[int, Optional[int]]], tuple[int, ...], object]] = []
+
+    def __call__(self, rows: Sequence[ConstrainedRow], logits: torch.Tensor, stream=None) -> None:
+        self.calls.append(([(r.row, r.new_token) for r in rows], tuple(logits.shape), stream))
+        self.real(rows, logits, stream)
+
+
+def regex_constraint(pattern: str) -> GrammarConstraint:
+    return GrammarConstraint(LLMatcher(BYTE_TOKENIZER, LLMatcher.grammar_from_regex(pattern)))
+
+
+def make_engine(model_dir: Path, backend: str, postprocessor=None, **overrides) -> TrtLlmEngine:
+    config = TrtLlmEngineConfig(
+        model_dir=str(model_dir), backend=backend, vocab_size=VOCAB, max_model_len=64, eos_token_id=EOS, **overrides
+    )
+    return TrtLlmEngine(config, postprocessor)
+
+
+def request(request_id: str, prompt: list[int], max_tokens: int = 8, constraint=None, **sampling) -> GenerationRequest:
+    params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, "stop_token_ids": frozenset({EOS}), **sampling})
+    return GenerationRequest(request_id, prompt, params, constraint)
+
+
+async def collect(engine: TrtLlmEngine, req: GenerationRequest) -> tuple[list[int], str, Optional[str]]:
+    tokens: list[int] = []
+    async for delta in engine.generate(req):
+        tokens += delta.token_ids
+        if delta.finish_reason:
+            return tokens, delta.finish_reason, delta.error
+    raise AssertionError("stream ended without a finish reason")
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=60))
+
+
+# --- mapping ------------------------------------------------------------------------------
+
+
+def test_greedy_maps_to_top_k_1_and_leaves_temperature_unset(fake_trt):
+    kwargs = trt_sampling_kwargs(SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=frozenset({EOS})), 5, EOS)
+    assert kwargs["top_k"] == 1 and "temperature" not in kwargs and "top_p" not in kwargs
+    assert kwargs["end_id"] == EOS and kwargs["pad_id"] == EOS and "ignore_eos" not in kwargs
+    assert kwargs["detokenize"] is False and kwargs["max_tokens"] == 5
+    assert fake_trt.SamplingParams(**kwargs)._greedy_decoding
+
+
+def test_sampling_maps_temperature_top_p_top_k_and_seed(fake_trt):
+    ours = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=40, seed=123, stop_token_ids=frozenset({EOS}))
+    kwargs = trt_sampling_kwargs(ours, 9, EOS)
+    assert (kwargs["temperature"], kwargs["top_p"], kwargs["top_k"], kwargs["seed"]) == (0.7, 0.9, 40, 123)
+    # no cut at all still passes top_p=1.0: with top_k and top_p unset TensorRT-LLM goes greedy
+    plain = trt_sampling_kwargs(SamplingParams(max_tokens=9, temperature=1.0), 9, EOS)
+    assert plain["top_p"] == 1.0 and "top_k" not in plain and "seed" not in plain
+    assert not fake_trt.SamplingParams(**plain)._greedy_decoding
+
+
+def test_penalties_pass_through_and_unsupported_controls_are_refused(fake_trt):
+    ours = SamplingParams(max_tokens=9, temperature=0.5, min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.2,
+                          repetition_penalty=1.3, min_tokens=2)
+    kwargs = trt_sampling_kwargs(ours, 9, EOS)
+    assert (kwargs["min_p"], kwargs["presence_penalty"], kwargs["frequency_penalty"],
+            kwargs["repetition_penalty"], kwargs["min_tokens"]) == (0.1, 0.5, -0.2, 1.3, 2)
+    fake_trt.SamplingParams(**kwargs)  # the names exist in TensorRT-LLM's SamplingParams
+    neutral = trt_sampling_kwargs(SamplingParams(max_tokens=9), 9, EOS)
+    assert not {"min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"} & set(neutral)
+    assert unsupported_sampling(ours) is None
+    assert "logit_bias" in unsupported_sampling(SamplingParams(max_tokens=1, logit_bias={5: 1.0}))
+    assert "logprobs" in unsupported_sampling(SamplingParams(max_tokens=1, logprobs=2))
+
+
+def test_stop_tokens_pick_end_id_and_ignore_eos_without_any():
+    eos_and_other = trt_sampling_kwargs(SamplingParams(max_tokens=3, stop_token_ids=frozenset({EOS, 7})), 3, EOS)
+    assert eos_and_other["end_id"] == EOS and eos_and_other["stop_token_ids"] == [7]
+    other_only = trt_sampling_kwargs(SamplingParams(max_tokens=3, stop_token_ids=frozenset({9, 7})), 3, EOS)
+    assert other_only["end_id"] == 7 and other_only["stop_token_ids"] == [9] and "ignore_eos" not in other_only
+    none = trt_sampling_kwargs(SamplingParams(max_tokens=3), 3, EOS)
+    assert none["ignore_eos"] is True and "stop_token_ids" not in none
+
+
+@pytest.mark.parametrize(
+    "trt_reason, ours",
+    [("stop", "stop"), ("length", "length"), ("cancelled", "abort"), ("timeout", "error"), (None, "error")],
+)
+def test_finish_reasons(trt_reason, ours):
+    reason, error = finish_reason_of(trt_reason)
+    assert reason == ours
+    assert (error is not None) == (ours == "error")
+
+
+def test_config_for_stored_model_picks_backend_and_paths(tmp_path):
+    engine_cfg = config_for_stored_model(tmp_path, "tensorrt_llm_engine", 100, 512, 2, max_batch_size=16)
+    assert engine_cfg.backend == "tensorrt" and engine_cfg.model_dir == str(tmp_path / "engine")
+    assert engine_cfg.tokenizer_dir == str(tmp_path) and engine_cfg.max_batch_size == 16
+    checkpoint_cfg = config_for_stored_model(tmp_path, "tensorrt_llm", 100, 512, 2)
+    assert checkpoint_cfg.backend == "pytorch" and checkpoint_cfg.model_dir == str(tmp_path)
+    with pytest.raises(ValueError):
+        config_for_stored_model(tmp_path, "pytorch", 100, 512, 2)
+
+
+# --- requests through the fake LLM ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["pytorch", "tensorrt"])
+def test_token_id_prompt_streams_without_a_tokenizer(fake_trt, model_dir, backend):
+    async def main():
+        engine = make_engine(model_dir, backend, kv_cache_max_tokens=4096, max_batch_size=4)
+        await engine.start()
+        tokens, reason, _ = await collect(engine, request("r1", [10], max_tokens=5))
+        llm_kwargs = engine._llm.kwargs
+        await engine.shutdown()
+        return tokens, reason, llm_kwargs
+
+    tokens, reason, llm_kwargs = run(main())
+    assert tokens == [11, 12, 13, 14, 15] and reason == "length"
+    assert llm_kwargs["skip_tokenizer_init"] is True and llm_kwargs["max_batch_size"] == 4
+    assert llm_kwargs["kv_cache_config"].max_tokens == 4096
+    assert llm_kwargs["kv_cache_config"].free_gpu_memory_fraction == 0.9
+    assert ("disable_overlap_scheduler" in llm_kwargs) == (backend == "pytorch")
+
+
+def test_stop_tokens_end_the_stream_and_are_not_emitted(fake_trt, model_dir):
+    async def main():
+        engine = make_engine(model_dir, "pytorch")
+        await engine.start()
+        # EOS is a stop token: the toy model walks 255, 256, ... 261 (EOS): END_ID
+        by_end_id = await collect(engine, request("a", [255], max_tokens=20))
+        # 258 is a stop token besides EOS: TensorRT-LLM's stop-word path, which trims it
+        by_stop_word = await collect(engine, request("b", [255], max_tokens=20, stop_token_ids=frozenset({EOS, 258})))
+        await engine.shutdown()
+        return by_end_id, by_stop_word
+
+    by_end_id, by_stop_word = run(main())
+    assert by_end_id == ([256, 257, 258, 259, 260], "stop", None)
+    assert by_stop_word == ([256, 257], "stop", None)
+
+
+def test_prompt_checks_raise_engine_error(fake_trt, model_dir):
+    async def main():
+        engine = make_engine(model_dir, "pytorch")
+        await engine.start()
+        errors = []
+        for req in (request("empty", []), request("long", [1] * 64), request("c", [1], constraint=regex_constraint("a"))):
+            with pytest.raises(EngineError) as caught:
+                await collect(engine, req)
+            errors.append(str(caught.value))
+        await engine.shutdown()
+        return errors
+
+    errors = run(main())
+    assert "empty" in errors[0] and "at most 63" in errors[1] and "post-processor" in errors[2]
+
+
+def test_abort_ends_the_stream_with_abort(fake_trt, model_dir):
+    async def main():
+        engine = make_engine(model_dir, "pytorch")
+        await engine.start()
+        seen, reasons = [], []
+        async for delta in engine.generate(request("long", [0], max_tokens=10_000)):
+            seen += delta.token_ids
+            if delta.finish_reason:
+                reasons.append(delta.finish_reason)
+            elif len(seen) >= 3 and engine.num_active == 1:
+                engine.abort("long")
+        active_after = engine.num_active
+        executor = engine._llm.fake_executor
+        await asyncio.sleep(0.05)
+        leftover = len(executor._active) + len(executor._new)
+        await engine.shutdown()
+        return seen, reasons, active_after, leftover
+
+    seen, reasons, active_after, leftover = run(main())
+    assert reasons == ["abort"] and 3 <= len(seen) < 10_000
+    assert active_after == 0 and leftover == 0
+
+
+def test_closing_the_stream_early_aborts_the_request(fake_trt, model_dir):
+    async def main():
+        engine = make_engine(model_dir, "tensorrt")
+        await engine.start()
+        stream = engine.generate(request("early", [0], max_tokens=10_000))
+        first = await stream.__anext__()
+        await stream.aclose()
+        executor = engine._llm.fake_executor
+        for _ in range(100):
+            if not executor._active and not executor._new:
+                break
+            await asyncio.sleep(0.01)
+        result = (first.token_ids, engine.num_active, len(executor._active) + len(executor._new))
+        await engine.shutdown()
+        return result
+
+    first_tokens, active, leftover = run(main())
+    assert first_tokens == [1] and active == 0 and leftover == 0
+
+
+# --- constraints ----------------------------------------------------------------------------
+
+
+def test_tensorrt_backend_registers_the_batched_processor_and_masks(fake_trt, model_dir):
+    postprocessor = RecordingPostProcessor()
+
+    async def main():
+        engine = make_engine(model_dir, "tensorrt", postprocessor)
+        await engine.start()
+        constraint = regex_constraint("[a-c]{4}")
+        result = await collect(engine, request("c", [10], max_tokens=20, constraint=constraint))
+        handed = engine._llm.kwargs["batched_logits_processor"]
+        await engine.shutdown()
+        return result, handed, engine, constraint
+
+    (tokens, reason, _), handed, engine, constraint = run(main())
+    # the toy model prefers 11, 12, ...; the grammar allows a-c then EOS only
+    assert tokens == [97, 98, 99, 97] and reason == "stop"
+    assert handed is engine.batched_processor and handed.postprocessor is postprocessor
+    import os
+
+    assert os.environ["TLLM_WORKER_USE_SINGLE_PROCESS"] == "1"
+    # each step committed exactly the newest token, once
+    assert [rows for rows, _, _ in postprocessor.calls] == [[(0, None)], [(0, 97)], [(0, 98)], [(0, 99)], [(0, 97)]]
+    assert all(shape == (1, VOCAB) and stream is None for _, shape, stream in postprocessor.calls)
+    assert constraint.matcher.is_accepting() and constraint.error is None
+    assert len(engine.constrained) == 0
+
+
+def test_pytorch_backend_uses_per_request_processors(fake_trt, model_dir):
+    postprocessor = RecordingPostProcessor()
+
+    async def main():
+        engine = make_engine(model_dir, "pytorch", postprocessor)
+        await engine.start()
+        result = await collect(engine, request("c", [10], max_tokens=20, constraint=regex_constraint("[a-c]{4}")))
+        llm_kwargs = engine._llm.kwargs
+        await engine.shutdown()
+        return result, llm_kwargs, engine
+
+    (tokens, reason, _), llm_kwargs, engine = run(main())
+    assert tokens == [97, 98, 99, 97] and reason == "stop"
+    assert "batched_logits_processor" not in llm_kwargs and llm_kwargs["disable_overlap_scheduler"] is True
+    assert engine.batched_processor is None
+    assert [rows for rows, _, _ in postprocessor.calls][:2] == [[(0, None)], [(0, 97)]]
+    assert all(shape == (1, VOCAB) for _, shape, _ in postprocessor.calls)
+
+
+@pytest.mark.parametrize("backend", ["pytorch", "tensorrt"])
+def test_beam_shaped_logits_are_masked_on_every_row(fake_trt, model_dir, backend, monkeypatch):
+    monkeypatch.setattr(fake_trt.LLM, "beam_rows", 3, raising=False)
+    from tensorrt_llm._tensorrt_engine import LLM as TrtLLM
+
+    monkeypatch.setattr(TrtLLM, "beam_rows", 3)
+    postprocessor = RecordingPostProcessor()
+
+    async def main():
+        engine = make_engine(model_dir, backend, postprocessor)
+        await engine.start()
+        result = await collect(engine, request("b", [10], max_tokens=20, constraint=regex_constraint("[a-c]{4}")))
+        await engine.shutdown()
+        return result
+
+    assert run(main()) == ([97, 98, 99, 97], "stop", None)
+    assert postprocessor.calls  # beam 0 went through our post-processor
+
+
+def test_concurrent_constrained_requests_share_one_batched_call(fake_trt, model_dir):
+    postprocessor = RecordingPostProcessor()
+
+    async def main():
+        engine = make_engine(model_dir, "tensorrt", postprocessor)
+        await engine.start()
+        results = await asyncio.gather(
+            collect(engine, request("x", [10], max_tokens=30, constraint=regex_constraint("[x-z]{6}"))),
+            collect(engine, request("y", [10], max_tokens=30, constraint=regex_constraint("[a-c]{6}"))),
+            collect(engine, request("free", [10], max_tokens=6)),
+        )
+        await engine.shutdown()
+        return results
+
+    x, y, free = run(main())
+    assert x == ([120, 121, 122, 120, 121, 122], "stop", None)
+    assert y == ([97, 98, 99, 97, 98, 99], "stop", None)
+    assert free == ([11, 12, 13, 14, 15, 16], "length", None)
+    assert max(len(rows) for rows, _, _ in postprocessor.calls) == 2
+
+
+@pytest.mark.parametrize("backend", ["pytorch", "tensorrt"])
+def test_a_failed_constraint_ends_its_request_with_an_error(fake_trt, model_dir, backend):
+    async def main():
+        engine = make_engine(model_dir, backend, MaskPostProcessor(BYTE_TOKENIZER, num_threads=2))
+        await engine.start()
+        broken = regex_constraint("[a-c]{4}")
+        broken.fail("grammar blew a parser limit")
+        results = await asyncio.gather(
+            collect(engine, request("bad", [10], max_tokens=20, constraint=broken)),
+            collect(engine, request("good", [10], max_tokens=20, constraint=regex_constraint("[a-c]{2}"))),
+        )
+        await engine.shutdown()
+        return results
+
+    bad, good = run(main())
+    assert bad == ([], "error", "grammar blew a parser limit")
+    assert good == ([97, 98], "stop", None)
+
+
+# --- processors, called as TensorRT-LLM calls them ------------------------------------------
+
+
+def _session(postprocessor) -> ProcessorSession:
+    return ProcessorSession(ConstrainedRequests(), postprocessor, EOS)
+
+
+def _allowed(row: torch.Tensor) -> list[int]:
+    return torch.nonzero(~torch.isneginf(row)).flatten().tolist()
+
+
+@pytest.mark.parametrize("shared_buffer", [True, False])
+def test_batched_processor_masks_beam_rows_and_leaves_others(shared_buffer):
+    postprocessor = RecordingPostProcessor()
+    session = _session(postprocessor)
+    processor = BatchedConstraintProcessor(session)
+    session.requests.add(7, regex_constraint("[a-c]+"), prompt_len=2)
+    session.requests.add(8, regex_constraint("[x-z]+"), prompt_len=2)
+    if shared_buffer:  # how TensorRT-LLM hands them out: slices of one buffer
+        buffer = torch.randn(3 * 2, VOCAB)
+        logits = [buffer[i * 2 : (i + 1) * 2].unsqueeze(1) for i in range(3)]
+    else:
+        logits = [torch.randn(2, 1, VOCAB) for _ in range(3)]
+    untouched = logits[2].clone()
+    token_ids = [[[1, 2]] * 2, [[1, 2]] * 2, [[1, 2]] * 2]
+    processor([101, 102, 103], logits, token_ids, 0, [7, 8, 99])
+    for beam in range(2):
+        assert _allowed(logits[0][beam, 0]) == ABC
+        assert _allowed(logits[1][beam, 0]) == [120, 121, 122]
+    assert torch.equal(logits[2], untouched)  # client id 99 is not a constrained request
+    assert postprocessor.calls[0][:2] == ([(0, None), (1, None)], (3, VOCAB))
+    # a repeated call in the same step commits nothing; the next step commits the newest token
+    processor([101], [torch.randn(1, 1, VOCAB)], [[[1, 2]]], 0, [7])
+    processor([101], [torch.randn(1, 1, VOCAB)], [[[1, 2, 98]]], 0, [7])
+    assert [rows for rows, _, _ in postprocessor.calls[1:]] == [[(0, None)], [(0, 98)]]
+
+
+def test_out_of_sync_sequence_forces_the_end_token():
+    session = _session(RecordingPostProcessor())
+    tracked = session.requests.add(7, regex_constraint("[a-c]+"), prompt_len=2)
+    logits = [torch.randn(1, 1, VOCAB)]
+    BatchedConstraintProcessor(session)([1], logits, [[[1, 2, 97, 98]]], 0, [7])
+    assert _allowed(logits[0][0, 0]) == [EOS]
+    assert "out of sync" in tracked.error
+
+
+def test_cpu_logits_get_no_stream():
+    postprocessor = RecordingPostProcessor()
+    session = _session(postprocessor)
+    session.requests.add(7, regex_constraint("a"), prompt_len=1)
+    BatchedConstraintProcessor(session)([1], [torch.randn(1, 1, VOCAB)], [[[5]]], 1234, [7])
+    assert postprocessor.calls[0][2] is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_logits_are_masked_on_the_external_stream():
+    postprocessor = RecordingPostProcessor()
+    session = _session(postprocessor)
+    session.requests.add(7, regex_constraint("[a-c]+"), prompt_len=1)
+    side = torch.cuda.Stream()
+    logits = [torch.randn(1, 1, VOCAB, device="cuda")]
+    torch.cuda.synchronize()
+    BatchedConstraintProcessor(session)([1], logits, [[[5]]], side.cuda_stream, [7])
+    stream = postprocessor.calls[0][2]
+    assert isinstance(stream, torch.cuda.ExternalStream) and stream.cuda_stream == side.cuda_stream
+    side.synchronize()
+    assert _allowed(logits[0][0, 0].cpu()) == ABC
+
+
+def test_copy_mask_to_other_beams():
+    beams = torch.zeros(3, 5)
+    beams[0, [1, 3]] = float("-inf")
+    copy_mask_to_other_beams(beams)
+    assert all(_allowed(beams[b]) == [0, 2, 4] for b in range(3))
+
+
+def test_per_request_processor_pickles_to_plain_data_only():
+    grammar = WorkerGrammar("start: /[a-c]+/", "/models/x", VOCAB, (EOS,))
+    processor = RequestConstraintProcessor("session", "req-1", grammar)
+    clone = pickle.loads(pickle.dumps(processor))
+    assert (clone.session_id, clone.key, clone.worker_grammar) == ("session", "req-1", grammar)
+    with pytest.raises(TypeError, match="grammar text"):
+        pickle.dumps(RequestConstraintProcessor("session", "req-2"))
+
+
+def test_per_request_processor_rebuilds_its_matcher_outside_the_serving_process(monkeypatch):
+    """In a TensorRT-LLM worker process no session is registered: the processor builds a
+    matcher from the grammar text (the tokenizer lookup is patched to the byte tokenizer)."""
+    from llgtrt_core.engine import trtllm_processors
+
+    monkeypatch.setattr(trtllm_processors, "_worker_ll_tokenizer", lambda *args: BYTE_TOKENIZER)
+    grammar = WorkerGrammar(LLMatcher.grammar_from_regex("ab"), "/unused", VOCAB, (EOS,))
+    processor = pickle.loads(pickle.dumps(RequestConstraintProcessor("not-registered", "k", grammar)))
+    allowed = []
+    for sequence in ([5], [5, 97], [5, 97, 98]):
+        logits = torch.randn(1, 1, VOCAB)
+        processor(1, logits, [sequence], None, None)
+        allowed.append(_allowed(logits[0, 0]))
+    assert allowed == [[97], [98], [EOS]]
