@@ -1,0 +1,185 @@
+"""Grammar compilation: validate with llguidance off the event loop, cache by grammar text,
+hand out a fresh matcher per request.
+
+Compiling a grammar means building an `LLMatcher` for the model's tokenizer: that validates
+it (within the parser limits) and builds its lexer, which is the costly part. The compiled
+matcher is never advanced; each request gets a `deep_copy` of it (microseconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
+
+from llgtrt_core import metrics
+from llgtrt_core.constraints.errors import GrammarRequestError
+from llgtrt_core.constraints.request_grammar import grammar_for_request, request_grammar
+
+__all__ = [
+    "CompiledGrammar",
+    "GrammarCompiler",
+    "GrammarConstraint",
+    "GrammarRequestError",
+    "build_ll_tokenizer",
+    "grammar_for_request",
+    "parser_limits",
+    "request_grammar",
+]
+
+logger = logging.getLogger(__name__)
+
+MAX_ERROR_CHARS = 4000  # llguidance's messages can quote a whole grammar; keep 400 bodies sane
+
+
+def build_ll_tokenizer(
+    hf_tokenizer: Any,
+    vocab_size: Optional[int] = None,
+    eos_token_ids: Optional[Sequence[int]] = None,
+) -> LLTokenizer:
+    """The llguidance tokenizer of a model: build it once per model (~1 s for 128k tokens).
+
+    `vocab_size` is the model's logits width: when it exceeds the tokenizer's, the padded
+    ids exist in every mask and are never allowed. `eos_token_ids` are the tokens a finished
+    grammar allows (default: the tokenizer's EOS); the engine must stop on them.
+    """
+    import llguidance.hf  # imports transformers: only when a model is loaded
+
+    eos = list(eos_token_ids) if eos_token_ids else None
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
+
+
+def parser_limits(config: Union[LLParserLimits, Mapping[str, Any], None] = None) -> LLParserLimits:
+    """LLParserLimits from a config mapping (keys as LLParserLimits' arguments).
+
+    Errors are short by default (`verbose_errors` false): they go back to API clients, and
+    the verbose form quotes parser state and the whole grammar.
+    """
+    if isinstance(config, LLParserLimits):
+        return config
+    options = {"verbose_errors": False, **(config or {})}
+    return LLParserLimits(**options)
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    grammar: str
+    matcher: LLMatcher = field(repr=False)  # template at the start state; never advanced
+    warnings: tuple[str, ...] = ()
+
+
+class GrammarConstraint:
+    """One request's matcher state; implements the engine's `Constraint` protocol."""
+
+    __slots__ = ("matcher", "grammar", "error")
+
+    def __init__(self, matcher: LLMatcher, grammar: str = "") -> None:
+        self.matcher = matcher
+        self.grammar = grammar  # the text, for engines that rebuild the matcher in another process
+        self.error: Optional[str] = None  # a plain attribute: read for every row of every step
+
+    def fail(self, message: str) -> None:
+        """Record the first error only; the request ends with it."""
+        if self.error is None:
+            self.error = message[:MAX_ERROR_CHARS] or "grammar error"
+
+
+@dataclass(frozen=True)
+class _Failure:
+    message: str
+
+
+class GrammarCompiler:
+    """Compiles grammars for one tokenizer. Call `compile` from one event loop."""
+
+    def __init__(
+        self,
+        ll_tokenizer: LLTokenizer,
+        limits: Union[LLParserLimits, Mapping[str, Any], None] = None,
+        cache_size: int = 256,
+        max_workers: Optional[int] = None,
+        log_level: int = 0,
+    ) -> None:
+        self.tokenizer = ll_tokenizer
+        self.limits = parser_limits(limits)
+        self.cache_size = cache_size
+        self.log_level = log_level  # llguidance's stderr logging: 0 silent, 1 warnings
+        self._cache: OrderedDict[str, Union[CompiledGrammar, _Failure]] = OrderedDict()
+        self._pending: dict[str, concurrent.futures.Future] = {}
+        # LLMatcher construction drops the GIL: a few threads compile in parallel.
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max_workers or min(4, os.cpu_count() or 1), thread_name_prefix="grammar"
+        )
+
+    async def compile(self, grammar: str, param: str = "response_format") -> CompiledGrammar:
+        """Validate and compile in a worker thread, or answer from the cache.
+
+        Raises GrammarRequestError(param, llguidance's message) when the grammar is invalid
+        or over the limits.
+        """
+        result = self._cache.get(grammar)
+        if result is not None:
+            self._cache.move_to_end(grammar)
+        else:
+            future = self._pending.get(grammar)
+            if future is None:  # one compile per text however many requests wait on it
+                future = self._pool.submit(self._build, grammar)
+                self._pending[grammar] = future
+            try:  # shielded: one waiter's cancellation must not cancel the shared compile
+                result = await asyncio.shield(asyncio.wrap_future(future))
+            finally:
+                self._pending.pop(grammar, None)
+            self._remember(grammar, result)
+        if isinstance(result, _Failure):
+            raise GrammarRequestError(param, result.message)
+        return result
+
+    async def constraint_for_request(self, request: Any) -> Optional[GrammarConstraint]:
+        """The request's fresh constraint, None when unconstrained; GrammarRequestError -> 400."""
+        found = request_grammar(request)
+        if found is None:
+            return None
+        return self.new_constraint(await self.compile(found.grammar, found.param))
+
+    def new_constraint(self, compiled: CompiledGrammar) -> GrammarConstraint:
+        return GrammarConstraint(compiled.matcher.deep_copy(), compiled.grammar)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _build(self, grammar: str) -> Union[CompiledGrammar, _Failure]:
+        start = time.perf_counter()
+        try:
+            return self._compile(grammar)
+        finally:
+            metrics.grammar_compile_time.observe(time.perf_counter() - start)
+
+    def _compile(self, grammar: str) -> Union[CompiledGrammar, _Failure]:
+        try:
+            matcher = LLMatcher(self.tokenizer, grammar, log_level=self.log_level, limits=self.limits)
+        except Exception as e:  # API misuse only (LLMatcher reports grammar faults via is_error)
+            return _Failure(f"invalid grammar: {e}"[:MAX_ERROR_CHARS])
+        if matcher.is_error():
+            return _Failure(matcher.get_error()[:MAX_ERROR_CHARS])
+        # The first mask too, here: a grammar over the limits already at its start is a 400,
+        # not an error mid-request (and the lexer states it builds are shared by every copy).
+        matcher.compute_bitmask()
+        if matcher.is_error():
+            return _Failure(matcher.get_error()[:MAX_ERROR_CHARS])
+        warnings = tuple(matcher.get_grammar_warnings())
+        if warnings:
+            logger.info("grammar warnings: %s", "; ".join(warnings))
+        return CompiledGrammar(grammar, matcher, warnings)
+
+    def _remember(self, grammar: str, result: Union[CompiledGrammar, _Failure]) -> None:
+        self._cache[grammar] = result
+        self._cache.move_to_end(grammar)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)

@@ -1,0 +1,199 @@
+"""The batched logits post-processor: one call per engine step for every constrained row.
+
+Per step: commit each row's newest token to its matcher, compute every mask in parallel
+without the GIL (llguidance's rayon executor) into one preallocated int32 buffer (pinned when
+CUDA is present), copy it to the device once, asynchronously, and mask the logits there with
+`llgtrt_core.kernels`. `fill` and `apply` are separate so an engine can fill the masks while
+its forward pass runs and apply them once the logits exist (the TensorRT-LLM adapter does).
+
+A row whose token is rejected, or whose matcher fails (e.g. a parser limit mid-generation),
+gets its constraint's `error` set and a mask allowing EOS only; the engine ends that request
+with the error and the other rows go on. A matcher whose grammar is complete also allows EOS
+only, so the sequence ends with the model's EOS (finish_reason "stop").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional, Sequence
+
+import torch
+from llguidance import LLExecutor, LLTokenizer
+from llguidance.torch import allocate_token_bitmask
+
+from llgtrt_core import metrics
+from llgtrt_core.constraints.grammar import GrammarConstraint
+from llgtrt_core.engine.interface import ConstrainedRow
+from llgtrt_core.kernels import apply_token_bitmask_inplace
+
+logger = logging.getLogger(__name__)
+
+
+class MaskPostProcessor:
+    """Implements `LogitsPostProcessor` for rows whose constraint is a `GrammarConstraint`."""
+
+    def __init__(self, ll_tokenizer: LLTokenizer, max_batch_size: int = 64, num_threads: Optional[int] = None):
+        self.vocab_size = ll_tokenizer.vocab_size
+        self.executor = LLExecutor(num_threads)  # default: 80% of the cores, up to 32
+        self.pin_memory = torch.cuda.is_available()
+        self._allocate_host(max_batch_size)
+        self._device_masks: Optional[torch.Tensor] = None
+        self._device_rows: Optional[torch.Tensor] = None
+        self._copy_done: Optional[torch.cuda.Event] = None  # the last copy out of the host buffers
+        self._eos_only = eos_only_mask(ll_tokenizer.eos_tokens, self._host_masks.shape[1])
+
+    def __call__(
+        self,
+        rows: Sequence[ConstrainedRow],
+        logits: torch.Tensor,
+        stream: Optional[torch.cuda.Stream] = None,
+    ) -> None:
+        if rows:
+            self.apply(rows, logits, self.fill(rows), stream)
+
+    def fill(self, rows: Sequence[ConstrainedRow]) -> torch.Tensor:
+        """Commit each row's new token, then compute the masks: a host (len(rows), words)
+        int32 view of the shared buffer whose row j is rows[j]'s mask. Valid until the next
+        `fill`."""
+        count = len(rows)
+        if self._copy_done is not None or count > self._capacity:
+            self._reserve(count)
+        start = time.perf_counter()
+        if count == 1:  # no thread hand-off for a lone row
+            self._fill_one(rows[0])
+        elif count:
+            self._fill_batch(rows)
+        metrics.mask_fill_time.observe(time.perf_counter() - start)
+        return self._host_views[count]
+
+    def apply(
+        self,
+        rows: Sequence[ConstrainedRow],
+        logits: torch.Tensor,
+        masks: torch.Tensor,
+        stream: Optional[torch.cuda.Stream] = None,
+    ) -> None:
+        """Mask `logits` rows in place with the masks `fill` returned, on `stream` when on CUDA."""
+        count = len(rows)
+        row_ids = [row.row for row in rows]
+        if not logits.is_cuda:
+            whole_batch = count == logits.shape[0] and row_ids == list(range(count))
+            apply_token_bitmask_inplace(logits, masks, None if whole_batch else row_ids)
+            return
+        indices = self._host_rows[:count]
+        indices.copy_(torch.tensor(row_ids, dtype=torch.int64))
+        stream = stream or torch.cuda.current_stream(logits.device)
+        device_masks, device_rows = self._device_buffers(logits.device, count)
+        with torch.cuda.stream(stream):
+            device_masks.copy_(masks, non_blocking=True)
+            device_rows.copy_(indices, non_blocking=True)
+            apply_token_bitmask_inplace(logits, device_masks, device_rows, stream=stream)
+            self._copy_done = torch.cuda.Event()
+            self._copy_done.record(stream)
+
+    def _fill_one(self, row: ConstrainedRow) -> None:
+        """The batch path's steps inlined: this runs once per token of a lone request."""
+        constraint: GrammarConstraint = row.constraint  # type: ignore[assignment]
+        token = row.new_token
+        if constraint.error is None:
+            matcher = constraint.matcher
+            try:
+                if token is None or matcher.consume_token(token):
+                    matcher.unsafe_compute_mask_ptr(self._host_ptr, self._row_bytes)
+                else:
+                    self._reject(constraint, token)
+            except Exception as e:
+                constraint.fail(f"grammar step failed at token {token}: {e}")
+        self._settle(constraint, 0)
+
+    def _fill_batch(self, rows: Sequence[ConstrainedRow]) -> None:
+        """Commit all new tokens, then all masks, each on the executor's rayon pool (no GIL)."""
+        constraints: list[GrammarConstraint] = [row.constraint for row in rows]  # type: ignore[misc]
+        pending = [(j, row.new_token) for j, row in enumerate(rows)
+                   if row.new_token is not None and constraints[j].error is None]
+        if pending:
+            try:
+                accepted = self.executor.consume_token_par([(constraints[j].matcher, t) for j, t in pending])
+            except Exception:  # API misuse somewhere in the batch: retry row by row
+                logger.exception("batched token commit failed; committing row by row")
+                accepted = [self._consume_one(constraints[j], t) for j, t in pending]
+            if not all(accepted):
+                for (j, token), ok in zip(pending, accepted):
+                    if not ok:
+                        self._reject(constraints[j], token)
+        live = [(c.matcher, j) for j, c in enumerate(constraints) if c.error is None]
+        try:
+            if live:
+                self.executor.unsafe_compute_mask_ptr(live, self._host_ptr, self._row_bytes, len(rows))
+        except Exception:  # one bad row must not cost the others their masks
+            logger.exception("batched mask fill failed; filling row by row")
+            for _, j in live:
+                self._compute_one(constraints[j], j)
+        for j, constraint in enumerate(constraints):  # _settle, inlined: once per row per step
+            if constraint.error is None and not constraint.matcher.is_error():
+                continue
+            self._settle(constraint, j)
+
+    def _consume_one(self, constraint: GrammarConstraint, token: int) -> bool:
+        try:
+            ok = constraint.matcher.consume_token(token)
+        except Exception as e:
+            constraint.fail(f"token {token} could not be committed: {e}")
+            return False
+        if not ok:
+            self._reject(constraint, token)
+        return ok
+
+    @staticmethod
+    def _reject(constraint: GrammarConstraint, token: int) -> None:
+        constraint.fail(constraint.matcher.get_error() or f"token {token} rejected by the grammar")
+
+    def _compute_one(self, constraint: GrammarConstraint, j: int) -> None:
+        """Mask straight into the host buffer by pointer (llguidance drops the GIL)."""
+        try:
+            constraint.matcher.unsafe_compute_mask_ptr(self._host_ptr + j * self._row_bytes, self._row_bytes)
+        except Exception as e:
+            constraint.fail(f"mask computation failed: {e}")
+
+    def _settle(self, constraint: GrammarConstraint, j: int) -> None:
+        """A matcher that failed (now or before: a limit hit mid-step) gets the EOS-only mask."""
+        if constraint.error is None and constraint.matcher.is_error():
+            constraint.fail(constraint.matcher.get_error())
+        if constraint.error is not None:
+            self._host_masks[j] = self._eos_only
+
+    def _reserve(self, count: int) -> None:
+        if self._copy_done is not None:
+            self._copy_done.synchronize()  # the previous step's async copy still reads the buffer
+            self._copy_done = None
+        if count > self._capacity:
+            self._allocate_host(count)
+
+    def _allocate_host(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._host_masks = allocate_token_bitmask(capacity, self.vocab_size)  # pinned when CUDA is present
+        self._host_rows = torch.empty(capacity, dtype=torch.int64, pin_memory=self.pin_memory)
+        self._host_ptr = self._host_masks.data_ptr()
+        self._row_bytes = self._host_masks.shape[1] * 4
+        self._host_views = [self._host_masks[:count] for count in range(capacity + 1)]
+
+    def _device_buffers(self, device: torch.device, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if (
+            self._device_masks is None
+            or self._device_masks.device != device
+            or self._device_masks.shape[0] < count
+        ):
+            capacity = max(count, self._host_masks.shape[0])
+            self._device_masks = torch.empty((capacity, self._host_masks.shape[1]), dtype=torch.int32, device=device)
+            self._device_rows = torch.empty(capacity, dtype=torch.int64, device=device)
+        assert self._device_rows is not None
+        return self._device_masks[:count], self._device_rows[:count]
+
+
+def eos_only_mask(eos_tokens: Sequence[int], words: int) -> torch.Tensor:
+    """One mask row allowing the EOS tokens only (int32 words, bit t%32 of word t//32)."""
+    values = [0] * words
+    for token in eos_tokens:
+        values[token // 32] |= 1 << (token % 32)
+    return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in values], dtype=torch.int32)

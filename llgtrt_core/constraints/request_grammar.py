@@ -1,0 +1,262 @@
+"""Request fields -> one llguidance grammar string.
+
+Three families of fields ask for a constraint, on chat and completion requests alike:
+OpenAI's `response_format` (plus llgtrt's `lark_grammar` and `llguidance` types), vLLM's
+`structured_outputs`, and vLLM's older `guided_*` fields. A request may use one form only.
+
+JSON is compact by default (`{"a":1,"b":[2,3]}`, no free whitespace), so a model cannot pad
+with whitespace until max_tokens; `whitespace_pattern` (a regex for each gap between JSON
+tokens, e.g. `[ ]?`) or `disable_any_whitespace` change that per request. A JSON schema is
+enforced whether `strict` is true or false.
+
+Requests are duck-typed: any object (or mapping) with these attributes will do.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import llguidance
+from llguidance import LLMatcher
+
+from llgtrt_core.constraints.errors import GrammarRequestError
+
+DEFAULT_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}  # see dumps_compact
+ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
+
+# The (param, kind) pairs of vLLM's `structured_outputs` and `guided_*` fields.
+STRUCTURED_OUTPUT_FIELDS = (
+    ("json", "json_schema"),
+    ("regex", "regex"),
+    ("choice", "choice"),
+    ("grammar", "grammar"),
+    ("json_object", "json_object"),
+)
+GUIDED_FIELDS = (
+    ("guided_json", "json_schema"),
+    ("guided_regex", "regex"),
+    ("guided_choice", "choice"),
+    ("guided_grammar", "grammar"),
+)
+
+
+@dataclass(frozen=True)
+class RequestGrammar:
+    param: str  # the request field it came from; named in a 400 when it does not compile
+    grammar: str  # llguidance grammar text (also the compile-cache key)
+
+
+@dataclass(frozen=True)
+class JsonPolicy:
+    """Per-request JSON options; they override the schema's own `x-guidance` block."""
+
+    whitespace_pattern: Optional[str] = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def overrides(self) -> Optional[dict[str, Any]]:
+        if self.whitespace_pattern is not None:
+            return {"whitespace_flexible": True, "whitespace_pattern": self.whitespace_pattern}
+        if self.disable_any_whitespace:
+            return {"whitespace_flexible": False}
+        return None
+
+
+def dumps_compact(value: Any) -> str:
+    """`value` as JSON with no whitespace between tokens, as the default JSON grammar wants."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def grammar_for_request(request: Any) -> Optional[str]:
+    """The request's llguidance grammar, or None when its output is unconstrained."""
+    found = request_grammar(request)
+    return found.grammar if found else None
+
+
+def request_grammar(request: Any) -> Optional[RequestGrammar]:
+    """Like `grammar_for_request`, also naming the field the grammar came from."""
+    forms = _requested_forms(request)
+    if not forms:
+        return None
+    if len(forms) > 1:
+        first, second = forms[0][0], forms[1][0]
+        raise GrammarRequestError(
+            second, f"only one constraint may be given per request; got {first} and {second}"
+        )
+    param, kind, value = forms[0]
+    return RequestGrammar(param, _build_grammar(param, kind, value, _json_policy(request)))
+
+
+def _get(obj: Any, name: str) -> Any:
+    if obj is None:
+        return None
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def _requested_forms(request: Any) -> list[tuple[str, str, Any]]:
+    """Every constraint the request asks for, as (param, kind, value)."""
+    forms: list[tuple[str, str, Any]] = []
+    response_format = _get(request, "response_format")
+    if response_format is not None:
+        form = _response_format_form(response_format)
+        if form is not None:
+            forms.append(form)
+    structured = _get(request, "structured_outputs")
+    for name, kind in STRUCTURED_OUTPUT_FIELDS:
+        value = _get(structured, name)
+        if value is not None and value is not False:
+            forms.append((f"structured_outputs.{name}", kind, value))
+    for name, kind in GUIDED_FIELDS:
+        value = _get(request, name)
+        if value is not None:
+            forms.append((name, kind, value))
+    return forms
+
+
+def _response_format_form(response_format: Any) -> Optional[tuple[str, str, Any]]:
+    kind = _get(response_format, "type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return ("response_format", "json_object", True)
+    if kind == "json_schema":
+        spec = _get(response_format, "json_schema")
+        if spec is None:
+            raise GrammarRequestError(
+                "response_format.json_schema", "required when response_format.type is json_schema"
+            )
+        schema = _get(spec, "schema_")
+        if schema is None:
+            schema = _get(spec, "schema")
+        return ("response_format.json_schema", "json_schema", ANY_JSON_OBJECT if schema is None else schema)
+    if kind == "lark_grammar":
+        return ("response_format.lark_grammar", "lark", _required(response_format, "lark_grammar", kind))
+    if kind == "llguidance":
+        return ("response_format.grammar", "llguidance", _required(response_format, "grammar", kind))
+    raise GrammarRequestError("response_format.type", f"unsupported response_format type {kind!r}")
+
+
+def _required(response_format: Any, name: str, kind: str) -> Any:
+    value = _get(response_format, name)
+    if value is None:
+        raise GrammarRequestError(f"response_format.{name}", f"required when response_format.type is {kind}")
+    return value
+
+
+def _json_policy(request: Any) -> JsonPolicy:
+    structured = _get(request, "structured_outputs")
+    pattern = _get(structured, "whitespace_pattern")
+    guided_pattern = _get(request, "guided_whitespace_pattern")
+    if pattern is not None and guided_pattern is not None:
+        raise GrammarRequestError(
+            "guided_whitespace_pattern",
+            "give structured_outputs.whitespace_pattern or guided_whitespace_pattern, not both",
+        )
+    pattern = pattern if pattern is not None else guided_pattern
+    disable_whitespace = bool(_get(structured, "disable_any_whitespace"))
+    if pattern is not None and disable_whitespace:
+        raise GrammarRequestError(
+            "structured_outputs.disable_any_whitespace", "cannot be combined with a whitespace_pattern"
+        )
+    return JsonPolicy(
+        whitespace_pattern=pattern,
+        disable_any_whitespace=disable_whitespace,
+        disable_additional_properties=bool(_get(structured, "disable_additional_properties")),
+    )
+
+
+def _build_grammar(param: str, kind: str, value: Any, policy: JsonPolicy) -> str:
+    if kind == "json_object":
+        return json_schema_grammar(ANY_JSON_OBJECT, policy, param)
+    if kind == "json_schema":
+        return json_schema_grammar(value, policy, param)
+    if kind == "choice":
+        return choice_grammar(value, param)
+    text = _text(value, param)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(text)
+    if kind == "lark":
+        return LLMatcher.grammar_from_lark(text)
+    if kind == "llguidance":
+        return text  # llguidance JSON ({"grammars": [...]}) or Lark; the compiler validates it
+    if kind == "grammar":
+        try:
+            return llguidance.grammar_from("grammar", text)  # Lark, or GBNF converted to Lark
+        except ValueError as e:
+            raise GrammarRequestError(param, str(e)) from e
+    raise AssertionError(f"unknown constraint kind {kind}")
+
+
+def _text(value: Any, param: str) -> str:
+    if not isinstance(value, str):
+        raise GrammarRequestError(param, "must be a string")
+    return value
+
+
+def json_schema_grammar(schema: Any, policy: JsonPolicy = JsonPolicy(), param: str = "response_format") -> str:
+    """Grammar for a JSON schema (dict or JSON text) under the bounded-whitespace default."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise GrammarRequestError(param, f"the schema is not valid JSON: {e}") from e
+    if schema is True:
+        schema = {}  # the JSON Schema that accepts any value
+    if not isinstance(schema, dict):
+        raise GrammarRequestError(param, "the schema must be a JSON object")
+    if policy.disable_additional_properties:
+        schema = close_objects(schema)
+    try:
+        return LLMatcher.grammar_from_json_schema(
+            schema, defaults=DEFAULT_JSON_OPTIONS, overrides=policy.overrides()
+        )
+    except ValueError as e:
+        raise GrammarRequestError(param, str(e)) from e
+
+
+def choice_grammar(choices: Any, param: str = "choice") -> str:
+    if not isinstance(choices, (list, tuple)) or not choices:
+        raise GrammarRequestError(param, "must be a non-empty list of strings")
+    if not all(isinstance(choice, str) for choice in choices):
+        raise GrammarRequestError(param, "must be a non-empty list of strings")
+    return llguidance.grammar_from("choice", json.dumps(list(choices)))
+
+
+# Keywords whose value is a schema, a list of schemas, or a mapping name -> schema.
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+              "unevaluatedItems", "unevaluatedProperties", "additionalProperties")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def close_objects(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy where every object schema without `additionalProperties` gets `false` (vLLM's
+    `disable_additional_properties`): the model may only write the properties it was given."""
+    closed = copy.deepcopy(schema)
+    _close_in_place(closed)
+    return closed
+
+
+def _close_in_place(schema: Any) -> None:
+    if not isinstance(schema, dict):
+        return
+    kind = schema.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in schema
+    if is_object and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
+    for key in _SUBSCHEMA:
+        if isinstance(schema.get(key), dict):
+            _close_in_place(schema[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for sub in schema[key]:
+                _close_in_place(sub)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for sub in schema[key].values():
+                _close_in_place(sub)

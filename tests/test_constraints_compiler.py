@@ -1,0 +1,165 @@
+"""GrammarCompiler: validation with llguidance's own messages, the LRU cache, one compile per
+text, the event loop kept free, configurable limits; and the llguidance tokenizer builder."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import llguidance
+import pytest
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from llgtrt_core.constraints import GrammarCompiler, GrammarConstraint, GrammarRequestError, build_ll_tokenizer
+from llgtrt_core.constraints.request_grammar import json_schema_grammar
+
+BYTES = llguidance.LLTokenizer("byte")
+DIGITS = llguidance.LLMatcher.grammar_from_regex("[0-9]+")
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_compile_returns_a_template_and_caches_it_by_text():
+    compiler = GrammarCompiler(BYTES)
+    first = run(compiler.compile(DIGITS))
+    assert first.grammar == DIGITS and not first.matcher.is_error()
+    assert run(compiler.compile(DIGITS)) is first
+
+
+def test_cache_is_lru_bounded():
+    compiler = GrammarCompiler(BYTES, cache_size=2)
+    grammars = [llguidance.LLMatcher.grammar_from_regex(rx) for rx in ("a", "b", "c")]
+
+    async def scenario():
+        a = await compiler.compile(grammars[0])
+        await compiler.compile(grammars[1])
+        assert await compiler.compile(grammars[0]) is a  # a is now the most recent
+        await compiler.compile(grammars[2])  # evicts b, not a
+        assert await compiler.compile(grammars[0]) is a
+        return a
+
+    run(scenario())
+    assert list(compiler._cache) == [grammars[2], grammars[0]]
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        llguidance.LLMatcher.grammar_from_regex("a(b"),
+        llguidance.LLMatcher.grammar_from_lark("start: undefined_rule"),
+        json_schema_grammar({"type": "string", "format": "no-such-format"}),
+        json_schema_grammar({"type": "string", "pattern": "(?=lookahead)"}),
+        '{"grammars": 5}',
+    ],
+)
+def test_invalid_grammar_raises_llguidances_own_message(grammar):
+    compiler = GrammarCompiler(BYTES)
+    with pytest.raises(GrammarRequestError) as error:
+        run(compiler.compile(grammar, param="guided_grammar"))
+    assert error.value.param == "guided_grammar"
+    expected = llguidance.LLMatcher.validate_grammar(grammar, BYTES, limits=compiler.limits)
+    assert expected and error.value.message == expected
+    with pytest.raises(GrammarRequestError):  # the failure is cached as well
+        run(compiler.compile(grammar))
+    assert grammar in compiler._cache
+
+
+def test_grammar_size_limit_is_configurable():
+    rules = "\n".join(f'a{i}: "x" "{i}" b' for i in range(300))
+    big = llguidance.LLMatcher.grammar_from_lark(
+        "start: " + " | ".join(f"a{i}" for i in range(300)) + "\n" + rules + '\nb: "q" "r"')
+    assert run(GrammarCompiler(BYTES).compile(big))
+    with pytest.raises(GrammarRequestError, match="grammar size .* too big"):
+        run(GrammarCompiler(BYTES, limits={"max_grammar_size": 100}).compile(big))
+
+
+def test_concurrent_requests_share_one_compile():
+    compiler = GrammarCompiler(BYTES)
+    grammar = llguidance.grammar_from("choice", json.dumps([f"w{i}" for i in range(500)]))
+
+    async def scenario():
+        return await asyncio.gather(*(compiler.compile(grammar) for _ in range(8)))
+
+    results = run(scenario())
+    assert all(result is results[0] for result in results)
+
+
+def test_compiling_never_blocks_the_event_loop():
+    compiler = GrammarCompiler(BYTES)
+    slow = llguidance.grammar_from("choice", json.dumps([f"word{i}x{i * 7}" for i in range(8000)]))
+
+    async def scenario():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.001)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        start = time.perf_counter()
+        await compiler.compile(slow)
+        elapsed = time.perf_counter() - start
+        task.cancel()
+        return ticks, elapsed
+
+    ticks, elapsed = run(scenario())
+    assert elapsed > 0.02, "the grammar must be slow enough to tell"
+    assert ticks >= 5, f"the loop ran only {ticks} times during a {elapsed:.3f} s compile"
+
+
+def test_each_request_gets_its_own_matcher_state():
+    compiler = GrammarCompiler(BYTES)
+    compiled = run(compiler.compile(DIGITS))
+    first, second = compiler.new_constraint(compiled), compiler.new_constraint(compiled)
+    assert isinstance(first, GrammarConstraint) and first.error is None
+    assert first.matcher.consume_tokens(list(b"12"))
+    assert not second.matcher.consume_token(ord("x"))  # fails alone
+    assert not first.matcher.is_error() and not compiled.matcher.is_error()
+    assert compiled.matcher.validate_tokens(list(b"9")) == 1  # the template was never advanced
+    first.fail("boom")
+    first.fail("second message is ignored")
+    assert first.error == "boom" and second.error is None
+
+
+def test_constraint_for_request():
+    compiler = GrammarCompiler(BYTES)
+
+    class Request:
+        response_format = None
+        structured_outputs = None
+        guided_json = guided_choice = guided_grammar = guided_whitespace_pattern = None
+        guided_regex = "[ab]+"
+
+    constraint = run(compiler.constraint_for_request(Request()))
+    assert constraint.matcher.consume_tokens(list(b"abba"))
+    Request.guided_regex = None
+    assert run(compiler.constraint_for_request(Request())) is None
+    Request.guided_regex = "(unclosed"
+    with pytest.raises(GrammarRequestError) as error:
+        run(compiler.constraint_for_request(Request()))
+    assert error.value.param == "guided_regex" and "unclosed" in error.value.message
+
+
+def tiny_hf_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE with no merges: 256 byte tokens plus <eos> (id 256)."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken("<eos>", special=True)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+
+
+def test_build_ll_tokenizer_pads_to_the_models_vocab_and_takes_eos_overrides():
+    hf = tiny_hf_tokenizer()
+    padded = build_ll_tokenizer(hf, vocab_size=320)
+    assert padded.vocab_size == 320 and padded.eos_token == hf.eos_token_id == 256
+    assert padded.tokenize_str("ab") == hf.encode("ab")
+    overridden = build_ll_tokenizer(hf, eos_token_ids=[7, 256])
+    assert overridden.vocab_size == 257 and overridden.eos_tokens == [7, 256]

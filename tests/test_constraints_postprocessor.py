@@ -1,0 +1,187 @@
+"""MaskPostProcessor on CPU logits: masking, commit-then-mask, row mapping, EOS at the end,
+and per-row error isolation (rejected tokens, bad ids, a parser limit hit mid-generation)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import llguidance
+import pytest
+import torch
+from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+from llgtrt_core.constraints import GrammarCompiler, GrammarConstraint
+from llgtrt_core.constraints.postprocessor import MaskPostProcessor, eos_only_mask
+from llgtrt_core.engine.interface import ConstrainedRow
+
+BYTES = llguidance.LLTokenizer("byte")
+VOCAB = BYTES.vocab_size
+EOS = BYTES.eos_token
+
+
+def constraint(grammar: str, compiler: GrammarCompiler | None = None) -> GrammarConstraint:
+    compiler = compiler or GrammarCompiler(BYTES)
+    return compiler.new_constraint(asyncio.run(compiler.compile(grammar)))
+
+
+def regex(rx: str) -> GrammarConstraint:
+    return constraint(llguidance.LLMatcher.grammar_from_regex(rx))
+
+
+def allowed(row: torch.Tensor) -> set[int]:
+    return {t for t in range(row.shape[0]) if not torch.isneginf(row[t])}
+
+
+def llguidance_mask(matcher: llguidance.LLMatcher) -> torch.Tensor:
+    mask = allocate_token_bitmask(1, VOCAB)
+    fill_next_token_bitmask(matcher.deep_copy(), mask, 0)
+    return mask[0]
+
+
+@pytest.fixture(scope="module")
+def processor() -> MaskPostProcessor:
+    return MaskPostProcessor(BYTES, max_batch_size=4, num_threads=2)
+
+
+def test_masks_disallowed_logits_and_leaves_the_rest_untouched(processor):
+    logits = torch.randn(2, VOCAB)
+    original = logits.clone()
+    processor([ConstrainedRow(regex("[ab]c"), 0, None)], logits)
+    assert allowed(logits[0]) == {ord("a"), ord("b")}
+    assert torch.equal(logits[0, [ord("a"), ord("b")]], original[0, [ord("a"), ord("b")]])
+    assert torch.equal(logits[1], original[1])  # not a constrained row
+
+
+def test_commits_the_new_token_before_masking(processor):
+    c = regex("[ab]c")
+    processor([ConstrainedRow(c, 0, None)], torch.zeros(1, VOCAB))
+    logits = torch.zeros(1, VOCAB)
+    processor([ConstrainedRow(c, 0, ord("b"))], logits)
+    assert allowed(logits[0]) == {ord("c")} and c.error is None
+
+
+def test_batch_rows_map_to_their_logits_rows(processor):
+    constraints = [regex("x+"), regex("[0-9]"), regex("(yes|no)")]
+    targets = [3, 0, 2]
+    logits = torch.randn(5, VOCAB)
+    original = logits.clone()
+    expected = [llguidance_mask(c.matcher) for c in constraints]
+    rows = [ConstrainedRow(c, r, None) for c, r in zip(constraints, targets)]
+    masks = processor.fill(rows)
+    for j in range(3):
+        assert torch.equal(masks[j], expected[j])
+    processor.apply(rows, logits, masks)
+    assert allowed(logits[3]) == {ord("x")}
+    assert allowed(logits[0]) == {ord(d) for d in "0123456789"}
+    assert allowed(logits[2]) == {ord("y"), ord("n")}
+    assert torch.equal(logits[1], original[1]) and torch.equal(logits[4], original[4])
+
+
+def test_complete_grammar_allows_eos_only_and_ends_cleanly(processor):
+    c = regex("ok")
+    logits = torch.zeros(1, VOCAB)
+    processor([ConstrainedRow(c, 0, None)], logits)
+    processor([ConstrainedRow(c, 0, ord("o"))], logits)
+    logits = torch.zeros(1, VOCAB)
+    processor([ConstrainedRow(c, 0, ord("k"))], logits)
+    assert allowed(logits[0]) == {EOS} and c.error is None
+    assert c.matcher.is_accepting()
+    processor([ConstrainedRow(c, 0, EOS)], torch.zeros(1, VOCAB))  # an engine that commits EOS too
+    assert c.error is None
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_rejected_token_fails_that_row_only(processor, batch):
+    bad, good = regex("[ab]+"), regex("[ab]+")
+    rows = [ConstrainedRow(bad, 0, None)] + ([ConstrainedRow(good, 1, None)] if batch else [])
+    processor(rows, torch.zeros(len(rows), VOCAB))
+    logits = torch.randn(len(rows), VOCAB)
+    rows = [ConstrainedRow(bad, 0, ord("z"))] + ([ConstrainedRow(good, 1, ord("a"))] if batch else [])
+    processor(rows, logits)
+    assert bad.error and "z" in bad.error
+    assert allowed(logits[0]) == {EOS}
+    if batch:
+        assert good.error is None and allowed(logits[1]) == {ord("a"), ord("b"), EOS}
+    later = torch.randn(1, VOCAB)
+    processor([ConstrainedRow(bad, 0, ord("a"))], later)  # a failed row stays failed, EOS only
+    assert allowed(later[0]) == {EOS}
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_bad_token_id_fails_that_row_only(processor, batch):
+    bad, good = regex("a+"), regex("a+")
+    rows = [ConstrainedRow(bad, 0, 10**6)] + ([ConstrainedRow(good, 1, ord("a"))] if batch else [])
+    logits = torch.zeros(len(rows), VOCAB)
+    processor(rows, logits)
+    assert bad.error and "out of range" in bad.error
+    assert allowed(logits[0]) == {EOS}
+    if batch:
+        assert good.error is None and allowed(logits[1]) == {ord("a"), EOS}
+
+
+def test_a_parser_limit_hit_mid_generation_ends_that_request_with_an_error(processor):
+    tight = GrammarCompiler(BYTES, limits={"step_max_items": 50})
+    ambiguous = llguidance.LLMatcher.grammar_from_lark('start: s\ns: s s | "a"')
+    runaway, bystander = constraint(ambiguous, tight), regex("a+")
+    token = None
+    for _ in range(60):
+        logits = torch.zeros(2, VOCAB)
+        processor([ConstrainedRow(runaway, 0, token), ConstrainedRow(bystander, 1, token)], logits)
+        if runaway.error:
+            break
+        token = ord("a")
+    assert runaway.error and "Too many items" in runaway.error
+    assert allowed(logits[0]) == {EOS}
+    assert bystander.error is None and allowed(logits[1]) == {ord("a"), EOS}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_logits(processor, dtype):
+    logits = torch.randn(1, VOCAB).to(dtype)
+    original = logits.clone()
+    processor([ConstrainedRow(regex("q"), 0, None)], logits)
+    masked = torch.ones(VOCAB, dtype=torch.bool)
+    masked[ord("q")] = False
+    lowest = torch.finfo(dtype).min
+    assert bool(((logits[0, masked] == float("-inf")) | (logits[0, masked] == lowest)).all())
+    assert logits[0, ord("q")] == original[0, ord("q")]
+
+
+def test_logits_wider_than_the_tokenizer_mask_the_padding(processor):
+    logits = torch.zeros(1, VOCAB + 40)
+    processor([ConstrainedRow(regex("[a-z]+"), 0, None)], logits)
+    assert torch.isneginf(logits[0, VOCAB:]).all()
+    assert allowed(logits[0]) == {ord(c) for c in "abcdefghijklmnopqrstuvwxyz"}
+
+
+def test_batches_larger_than_the_buffer_grow_it(processor):
+    constraints = [regex("[0-9]") for _ in range(7)]
+    logits = torch.randn(7, VOCAB)
+    processor([ConstrainedRow(c, i, None) for i, c in enumerate(constraints)], logits)
+    assert all(allowed(logits[i]) == {ord(d) for d in "0123456789"} for i in range(7))
+
+
+def test_eos_only_mask_sets_exactly_the_eos_bits():
+    mask = eos_only_mask([0, 31, 33, 63], 3)
+    assert mask.dtype == torch.int32
+    bits = {w * 32 + b for w in range(3) for b in range(32) if (int(mask[w]) >> b) & 1}
+    assert bits == {0, 31, 33, 63}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_logits_on_a_side_stream_match_the_cpu_path():
+    processor = MaskPostProcessor(BYTES, max_batch_size=2)
+    grammars = ["x+y", "[0-9]{2}", "(yes|no)"]
+    on_cpu, on_gpu = [regex(g) for g in grammars], [regex(g) for g in grammars]
+    stream = torch.cuda.Stream()
+    for tokens in ([None, None, None], [ord("x"), ord("4"), ord("y")], [ord("x"), ord("2"), ord("e")]):
+        logits = torch.randn(5, VOCAB + 40, dtype=torch.bfloat16)
+        gpu_logits = logits.cuda()
+        targets = [4, 1, 2]
+        processor([ConstrainedRow(c, r, t) for c, r, t in zip(on_cpu, targets, tokens)], logits)
+        stream.wait_stream(torch.cuda.current_stream())
+        processor([ConstrainedRow(c, r, t) for c, r, t in zip(on_gpu, targets, tokens)], gpu_logits, stream)
+        torch.cuda.current_stream().wait_stream(stream)
+        assert torch.equal(gpu_logits.cpu(), logits)
+    assert [c.error is None for c in on_gpu] == [c.error is None for c in on_cpu] == [True, True, True]
