@@ -4,22 +4,27 @@ One background thread owns the model and runs steps; the event loop only submits
 and reads deltas. A step decodes one token for every running sequence, prefills the requests
 admitted since the last step, masks every constrained row in one post-processor call, samples,
 and hands each request its token. Finished or aborted sequences leave between steps and the
-last slot moves into the hole, so running sequences always fill slots 0..n-1.
+last slot moves into the hole, so running sequences always fill slots 0..n-1. On CUDA the
+cache holds the whole context for as many slots as fit, and decode replays CUDA graphs
+(`decode_graphs.py`); the only host sync of a step is reading the sampled tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
+import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Optional
 
 import torch
 
+from llgtrt_core import metrics
 from llgtrt_core.engine.interface import (
     ConstrainedRow,
     Engine,
@@ -30,8 +35,10 @@ from llgtrt_core.engine.interface import (
     TokenDelta,
     TokenLogprob,
 )
+from llgtrt_core.engine.decode_graphs import DecodeGraphs
 from llgtrt_core.engine.kv_cache import KVCache
 from llgtrt_core.engine.sampler import BatchSampler, token_logprobs
+from llgtrt_core.models.llama import LlamaForCausalLM
 from llgtrt_core.models.loader import load_config, load_model
 
 logger = logging.getLogger(__name__)
@@ -43,6 +50,8 @@ class TorchEngineConfig:
     max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
     device: Optional[str] = None  # default: cuda when available, else cpu
     dtype: Optional[str] = None  # default: bfloat16 on cuda, float32 on cpu
+    cpu_threads: Optional[int] = None  # torch intra-op threads on cpu; default: all cores but one
+    cuda_graphs: bool = True  # decode under CUDA graphs (cuda only)
 
     def resolve_device(self) -> torch.device:
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -51,6 +60,14 @@ class TorchEngineConfig:
         if self.dtype:
             return getattr(torch, self.dtype)
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def resolve_cpu_threads(self) -> int:
+        """One core is left to the rest of the server (event loop, HTTP, the grammar threads that
+        fill masks while the forward pass runs): an OpenMP team stalls at every op while one of its
+        threads waits for a core, which made 2-thread decode 3-7x slower than 1 thread on a busy
+        2-core machine (docs/benchmarks/engine.md)."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return self.cpu_threads or max(1, cores - 1)
 
 
 @dataclass
@@ -63,6 +80,7 @@ class _Sequence:
     pending_token: Optional[int] = None  # sampled last step, fed to the model this step
     uncommitted_token: Optional[int] = None  # sampled last step, not yet seen by the constraint
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # sent with the first delta
+    arrival: float = field(default_factory=time.monotonic)  # for the queue-time metric
 
     def take_prompt_logprobs(self) -> Optional[list[Optional[TokenLogprob]]]:
         taken, self.prompt_logprobs = self.prompt_logprobs, None
@@ -79,6 +97,7 @@ class TorchEngine(Engine):
         model_dir: Path,
         config: TorchEngineConfig = TorchEngineConfig(),
         post_processor: Optional[LogitsPostProcessor] = None,
+        model: Optional[LlamaForCausalLM] = None,  # already built, e.g. random weights for benchmarks
     ):
         self.model_dir = Path(model_dir)
         self.config = config
@@ -94,21 +113,28 @@ class TorchEngine(Engine):
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []  # index i occupies cache slot i
         self._thread: Optional[threading.Thread] = None
-        self.model = None
+        self.model = model
         self.cache: Optional[KVCache] = None
+        self.decode_graphs: Optional[DecodeGraphs] = None
         self.sampler = BatchSampler(config.max_batch_size, self.vocab_size, self.device)
 
     # ---- event-loop side -------------------------------------------------------------
 
     async def start(self) -> None:
-        self.model = await asyncio.to_thread(load_model, self.model_dir, self.max_model_len, self.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.config.resolve_cpu_threads())  # process-wide: the engine is its torch user
+        if self.model is None:
+            self.model = await asyncio.to_thread(load_model, self.model_dir, self.max_model_len, self.dtype,
+                                                 self.device)
         cfg = self.model.config
-        self.cache = KVCache(cfg.num_layers, self.config.max_batch_size, cfg.num_kv_heads, cfg.head_dim,
-                             self.max_model_len, self.dtype, self.device)
+        self.cache = KVCache.for_device(cfg.num_layers, self.config.max_batch_size, cfg.num_kv_heads, cfg.head_dim,
+                                        self.max_model_len, self.dtype, self.device)
+        if self.device.type == "cuda" and self.config.cuda_graphs:
+            self.decode_graphs = DecodeGraphs(self.model, self.cache)
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
         self._thread.start()
         logger.info("torch engine ready: %s on %s, batch %d, context %d",
-                    cfg.architecture, self.device, self.config.max_batch_size, self.max_model_len)
+                    cfg.architecture, self.device, self.cache.num_slots, self.max_model_len)
 
     async def shutdown(self) -> None:
         if self._thread is None:
@@ -166,12 +192,14 @@ class TorchEngine(Engine):
 
     # ---- engine thread ---------------------------------------------------------------
 
+    @torch.inference_mode()  # aborts move cache rows too: tensors grown in a step are inference tensors
     def _loop(self) -> None:
         while True:
             idle = not self._running and not self._waiting
             if not self._drain_commands(block=idle):
                 break
             if not self._running and not self._waiting:
+                self._record_state()  # aborts may have emptied the batch
                 continue
             try:
                 with torch.inference_mode():  # the post-processor and sampler edit logits in place
@@ -181,10 +209,16 @@ class TorchEngine(Engine):
                 for seq in list(self._running):
                     self._finish(seq, "error", error=f"engine step failed: {exc}")
                 self._running.clear()
+            self._record_state()
         for seq in [*self._running, *self._waiting]:
             seq.emit(TokenDelta(finish_reason="abort"))
         self._running.clear()
         self._waiting.clear()
+
+    def _record_state(self) -> None:
+        held = sum(seq.length for seq in self._running)
+        metrics.record_engine_state(len(self._running), len(self._waiting),
+                                    held / (self.cache.num_slots * self.max_model_len))
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued adds and aborts; False once shutdown was asked for."""
@@ -217,7 +251,7 @@ class TorchEngine(Engine):
         logits = []
         if self._running:
             logits.append(self._decode())
-        while self._waiting and len(self._running) < self.config.max_batch_size:
+        while self._waiting and len(self._running) < self.cache.num_slots:
             seq = self._waiting.popleft()
             logits.append(self._prefill(seq, slot=len(self._running)).unsqueeze(0))
             self._running.append(seq)
@@ -238,13 +272,18 @@ class TorchEngine(Engine):
         key_len = max(positions) + 1
         self.cache.reserve(key_len)
         token_ids = torch.tensor([seq.pending_token for seq in self._running], device=self.device)
-        logits = self.model.decode(token_ids, torch.tensor(positions, device=self.device), key_len, self.cache)
+        positions_tensor = torch.tensor(positions, device=self.device)
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.decode(token_ids, positions_tensor, key_len)
+        else:
+            logits = self.model.decode(token_ids, positions_tensor, key_len, self.cache)
         for seq in self._running:
             seq.length += 1
         return logits
 
     def _prefill(self, seq: _Sequence, slot: int) -> torch.Tensor:
         prompt = seq.request.prompt_token_ids
+        metrics.request_queue_time.observe(time.monotonic() - seq.arrival)
         self.cache.reserve(len(prompt))
         self.sampler.add(slot, seq.request.sampling, prompt, seq.generator)
         num_top = seq.request.sampling.prompt_logprobs
@@ -271,11 +310,10 @@ class TorchEngine(Engine):
         hidden = captured[0].reshape(-1, captured[0].shape[-1])
         targets = torch.tensor(prompt[1:], device=self.device)
         scored: list[Optional[TokenLogprob]] = [None]
-        with torch.inference_mode():
-            for start in range(0, len(prompt) - 1, _PROMPT_LOGPROBS_CHUNK):
-                end = min(start + _PROMPT_LOGPROBS_CHUNK, len(prompt) - 1)
-                chunk_logprobs = self.model.lm_head(hidden[start:end]).float().log_softmax(dim=-1)
-                scored += token_logprobs(chunk_logprobs, targets[start:end], [num_top] * (end - start))[1]
+        for start in range(0, len(prompt) - 1, _PROMPT_LOGPROBS_CHUNK):
+            end = min(start + _PROMPT_LOGPROBS_CHUNK, len(prompt) - 1)
+            chunk_logprobs = self.model.lm_head(hidden[start:end]).float().log_softmax(dim=-1)
+            scored += token_logprobs(chunk_logprobs, targets[start:end], [num_top] * (end - start))[1]
         return logits, scored
 
     def _constrain(self, logits: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
 """Llama-family decoder in plain PyTorch (SmolLM2, Llama 3.x, Qwen2/2.5/3, Mistral shapes).
 
-Parameter names follow Hugging Face checkpoints so safetensors load without renaming. The
+Parameter names follow Hugging Face checkpoints, except that q/k/v and gate/up projections are
+packed into one matrix each (`checkpoint_tensors` maps the checkpoint's names onto them). The
 model reads and writes an external KV cache (`llgtrt_core.engine.kv_cache.KVCache`): one
 sequence at a time for prefill, the first `n` cache slots at once for decode.
 """
@@ -132,9 +133,33 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # Hugging Face's order: normalize in float32, round to the input dtype, then scale.
+        # F.rms_norm is one fused kernel on CUDA and bit-identical to the unfused ops on CPU.
+        normalized = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normalized.to(x.dtype)
+
+
+class PackedLinear(nn.Linear):
+    """Several projections of one input as one matrix (q/k/v, gate/up): one kernel instead of
+    several, and checkpoints still load by their per-projection names."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = parts
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return out.split(list(self.parts.values()), dim=-1)
+
+    def checkpoint_views(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Views of this matrix's rows under the checkpoint's names, e.g. `...self_attn.q_proj.weight`."""
+        views, offset = {}, 0
+        for part, size in self.parts.items():
+            for kind in ("weight", "bias"):
+                tensor = getattr(self, kind)
+                if tensor is not None:
+                    views[f"{prefix}{part}.{kind}"] = tensor.detach().narrow(0, offset, size)
+            offset += size
+        return views
 
 
 class Attention(nn.Module):
@@ -145,9 +170,8 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(hidden, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -157,9 +181,10 @@ class Attention(nn.Module):
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(batch, seq, self.num_heads, self.head_dim)
+        k = k.view(batch, seq, self.num_kv_heads, self.head_dim)
+        v = v.view(batch, seq, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
@@ -184,12 +209,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        size = config.intermediate_size
+        self.gate_up_proj = PackedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=False)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -225,6 +251,19 @@ class LlamaForCausalLM(nn.Module):
         # Filled by reset_rope_tables once the model sits on its device (it is built on "meta").
         self.register_buffer("rope_cos", torch.empty(max_positions, config.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(max_positions, config.head_dim), persistent=False)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter under its Hugging Face checkpoint name (packed ones as row views), shared
+        storage: loading copies into these, and a reference model can borrow them."""
+        packed = {name: module for name, module in self.named_modules() if isinstance(module, PackedLinear)}
+        tensors: dict[str, torch.Tensor] = {}
+        for name, parameter in self.named_parameters():  # tied weights appear once
+            module_name, _, _ = name.rpartition(".")
+            if module_name in packed:
+                tensors.update(packed[module_name].checkpoint_views(module_name.rpartition(".")[0] + "."))
+            else:
+                tensors[name] = parameter.detach()
+        return tensors
 
     def reset_rope_tables(self) -> None:
         """Recompute the float32 cos/sin tables on the model's device (after to_empty or a dtype cast)."""

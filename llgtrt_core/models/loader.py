@@ -18,14 +18,40 @@ def load_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
 
 
-def load_model(model_dir: Path, max_positions: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    config = load_config(model_dir)
+def _empty_model(config: ModelConfig, max_positions: int, device: torch.device) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty off "meta" makes new Parameters, untying them
         model.lm_head.weight = model.model.embed_tokens.weight
-    parameters = dict(model.named_parameters())
+    return model
+
+
+def random_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
+                 seed: int = 0) -> LlamaForCausalLM:
+    """Random weights of a real shape, made on the device (benchmarks and tests need no checkpoint).
+
+    Matrices draw from N(0, 1/fan_in) and embeddings from N(0, 1), so activations and logits keep
+    unit scale through the layers: greedy picks have clear margins, unlike near-uniform tiny weights.
+    """
+    model = _empty_model(config, max_positions, device).to(dtype)
+    generator = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.fill_(1.0)
+            else:
+                std = 1.0 if parameter.ndim == 1 or "embed_tokens" in name else parameter.shape[-1] ** -0.5
+                parameter.normal_(0.0, std, generator=generator)
+    model.eval()
+    model.reset_rope_tables()
+    return model
+
+
+def load_model(model_dir: Path, max_positions: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    config = load_config(model_dir)
+    model = _empty_model(config, max_positions, device)
+    parameters = model.checkpoint_tensors()
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
@@ -35,7 +61,7 @@ def load_model(model_dir: Path, max_positions: int, dtype: torch.dtype, device: 
             for name in shard.keys():
                 if name not in parameters:
                     continue  # e.g. rotary inv_freq buffers some exporters save
-                parameters[name].data.copy_(shard.get_tensor(name))
+                parameters[name].copy_(shard.get_tensor(name))
                 loaded.add(name)
     missing = set(parameters) - loaded
     if config.tie_word_embeddings:
