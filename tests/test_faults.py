@@ -83,6 +83,10 @@ def test_a_grammar_failing_mid_generation_ends_only_its_request(faulty: BentoSer
     constrained = results[2].json()["choices"][0]
     if constrained["finish_reason"] == "stop":  # else cut at max_tokens
         assert isinstance(json.loads(constrained["message"]["content"]), dict)
+    # Not streamed, the same failure is a 400 naming the cause (the request's grammar), not a 500.
+    whole = httpx.post(url, json=failing, timeout=120)
+    assert whole.status_code == 400, whole.text
+    assert whole.json()["error"]["code"] == "grammar_error" and "max is 50" in whole.json()["error"]["message"]
     # The engine carries on: the same server still answers.
     after = httpx.post(url, json=chat("Hi", max_tokens=3), timeout=60)
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3

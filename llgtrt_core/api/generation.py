@@ -31,6 +31,15 @@ class GenerationFailed(APIError):
         super().__init__(message, status_code=500)
 
 
+def generation_failure(request: GenerationRequest, delta: TokenDelta) -> APIError:
+    """A grammar that fails mid-generation (over llguidance's limits) is the request's doing: 400.
+    Anything else that ends a request early is the server's: 500."""
+    constraint = request.constraint
+    if constraint is not None and constraint.error is not None:
+        return APIError(f"the output constraint failed during generation: {constraint.error}", code="grammar_error")
+    return GenerationFailed(delta.error or f"the engine ended the request ({delta.finish_reason})")
+
+
 @dataclass(frozen=True)
 class TextOptions:
     stop_strings: Sequence[str] = ()
@@ -75,7 +84,7 @@ async def run_choice(
     try:
         async for delta in deltas:
             if delta.finish_reason in ("error", "abort"):
-                raise GenerationFailed(delta.error or f"the engine ended the request ({delta.finish_reason})")
+                raise generation_failure(request, delta)
             num_generated += len(delta.token_ids)
             pending.add(delta)
             text = matcher.feed(detokenizer.add(delta.token_ids))
