@@ -60,6 +60,9 @@ class RuntimeConfig:
                                          "Env LLGTRT_DEVICE.")
     dtype: Optional[str] = option(None, "PyTorch engine: weights and activations dtype (float32, bfloat16, "
                                         "float16); null: bfloat16 on cuda, float32 on cpu.")
+    cpu_threads: Optional[int] = option(None, "PyTorch engine on cpu: torch intra-op threads; null: all cores "
+                                              "but one (the event loop and llguidance need one). Env "
+                                              "LLGTRT_CPU_THREADS.")
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "LLGTRT_MAX_BATCH_SIZE": ("runtime", "max_batch_size"),
     "LLGTRT_MAX_MODEL_LEN": ("runtime", "max_model_len"),
     "LLGTRT_DEVICE": ("runtime", "device"),
+    "LLGTRT_CPU_THREADS": ("runtime", "cpu_threads"),
     "LLGTRT_API_KEY": ("server", "api_key"),
 }
 
