@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llgtrt_core.engine.interface import GenerationRequest, SamplingParams  # noqa: E402
 from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
+from engine_rate import decode_tokens_per_s  # noqa: E402  (bench/ is the script's folder)
 
 QUESTIONS = (
     "Tell me a story about a lighthouse keeper.",
@@ -42,25 +42,6 @@ def default_model_dir() -> Path:
 def chat_prompt(tokenizer, question: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-async def ours_tokens_per_s(engine: TorchEngine, prompts: list[list[int]], tokens: int, tag: str) -> float:
-    """Decode tokens/s over all requests, from the first delta of any to the last delta of all."""
-    first: list[float] = []
-
-    async def one(i: int, prompt: list[int]) -> int:
-        request = GenerationRequest(f"{tag}-{i}", prompt, SamplingParams(max_tokens=tokens, temperature=0.0))
-        count = 0
-        async for delta in engine.generate(request):
-            if count == 0:
-                first.append(time.perf_counter())
-            count += len(delta.token_ids)
-        return count
-
-    counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    end = time.perf_counter()
-    assert counts == [tokens] * len(prompts), counts
-    return (sum(counts) - len(prompts)) / (end - max(first))
 
 
 def hf_tokens_per_s(model, tokenizer, prompts: list[list[int]], tokens: int) -> float:
@@ -112,12 +93,12 @@ async def main() -> None:
           f"{torch_default_threads}, load average {os.getloadavg()[0]:.1f}, model {model_dir}")
     results: dict[int, list[tuple[float, dict[int, float]]]] = {b: [] for b in args.batches}
     try:
-        await ours_tokens_per_s(engine, [chat_prompt(tokenizer, QUESTIONS[0])], 8, "warmup")
+        await decode_tokens_per_s(engine, [chat_prompt(tokenizer, QUESTIONS[0])], 8, "warmup")
         hf_at(torch_default_threads, [chat_prompt(tokenizer, QUESTIONS[0])], 4)
         for round_index in range(args.rounds):
             for batch in args.batches:
                 prompts = [chat_prompt(tokenizer, QUESTIONS[i % len(QUESTIONS)]) for i in range(batch)]
-                ours = await ours_tokens_per_s(engine, prompts, args.tokens, f"r{round_index}b{batch}")
+                ours = await decode_tokens_per_s(engine, prompts, args.tokens, f"r{round_index}b{batch}")
                 hf = {threads: hf_at(threads, prompts, args.tokens) for threads in thread_counts}
                 results[batch].append((ours, hf))
                 print(f"round {round_index} batch {batch}: ours {ours:6.1f} tok/s  "

@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llgtrt_core.engine.interface import GenerationRequest, SamplingParams  # noqa: E402
 from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
+from engine_rate import decode_tokens_per_s  # noqa: E402  (bench/ is the script's folder)
 from llgtrt_core.models.llama import ModelConfig  # noqa: E402
 from llgtrt_core.models.loader import random_model  # noqa: E402
 
@@ -92,25 +92,6 @@ def llama3_tokenizer(path: str | None):
 def prompts_of(tokenizer, count: int, length: int) -> list[list[int]]:
     ids = tokenizer.encode(TEXT * (1 + length // 30), add_special_tokens=False).ids
     return [[LLAMA3_8B["bos_token_id"]] + ids[i % 50: i % 50 + length - 1] for i in range(count)]
-
-
-async def engine_decode_rate(engine: TorchEngine, prompts: list[list[int]], tokens: int) -> float:
-    first: list[float] = []
-
-    async def one(i: int, prompt: list[int]) -> int:
-        request = GenerationRequest(f"b{len(prompts)}-{i}-{time.monotonic_ns()}", prompt,
-                                    SamplingParams(max_tokens=tokens, temperature=0.0))
-        count = 0
-        async for delta in engine.generate(request):
-            if count == 0:
-                first.append(time.perf_counter())
-            count += len(delta.token_ids)
-        return count
-
-    counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    end = time.perf_counter()
-    assert counts == [tokens] * len(prompts), counts
-    return (sum(counts) - len(prompts)) / (end - max(first))
 
 
 def graph_step_ms(engine: TorchEngine, batch: int, key_len: int, repeats: int = 20) -> float:
@@ -211,8 +192,8 @@ async def main() -> None:
     try:
         for batch in args.batches:
             prompts = prompts_of(tokenizer, batch, args.prompt_len)
-            await engine_decode_rate(engine, prompts, 4)  # captures this batch's graphs
-            rate = await engine_decode_rate(engine, prompts, args.tokens)
+            await decode_tokens_per_s(engine, prompts, 4, f"warm{len(prompts)}")  # captures this batch's graphs
+            rate = await decode_tokens_per_s(engine, prompts, args.tokens, f"b{len(prompts)}")
             step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token
             roofline = batch * bandwidth / step_bytes
             graph_ms = graph_step_ms(engine, batch, args.prompt_len + args.tokens)
