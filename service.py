@@ -27,7 +27,6 @@ from llgtrt_core.chat_template import ChatTemplate
 from llgtrt_core.config import TokenizerConfig, load_config
 from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor
-from llgtrt_core.constraints.request_grammar import DEFAULT_JSON_OPTIONS
 from llgtrt_core.engine.factory import create_engine
 from llgtrt_core.kernels import cuda_kernel_available
 from llgtrt_core.runtime import ModelRuntime
@@ -35,8 +34,6 @@ from llgtrt_core.tokenizer import Tokenizer
 
 logger = logging.getLogger("llgtrt")
 CONFIG = load_config()
-# The server-wide JSON whitespace policy (a request's own whitespace options still win).
-DEFAULT_JSON_OPTIONS["whitespace_flexible"] = CONFIG.llguidance.whitespace_flexible
 
 
 def ensure_model_in_store() -> None:
@@ -110,7 +107,8 @@ class LLM:
             guidance = CONFIG.llguidance
             grammars = GrammarCompiler(ll_tokenizer, limits=dataclasses.asdict(guidance.limits),
                                        cache_size=guidance.grammar_cache_size, max_workers=guidance.compile_threads,
-                                       log_level=guidance.log_level)
+                                       log_level=guidance.log_level,
+                                       json_whitespace_flexible=guidance.whitespace_flexible)
             self.runtime = ModelRuntime(model_name=name, tokenizer=tokenizer, engine=engine, grammars=grammars)
             logger.info("serving %s (%s) with the %s engine", name, stored.tag, metadata.get("engine"))
         except Exception:

@@ -158,6 +158,15 @@ def test_whitespace_pattern_bounds_each_gap_and_is_overridable():
     assert accepts(so, '{\n  "name":"A",\n  "age":3\n}')
 
 
+def test_the_server_default_can_allow_whitespace_and_requests_still_override_it():
+    flexible = grammar_for_request(request(guided_json=PERSON), whitespace_flexible=True)
+    assert accepts(flexible, '{ "name" : "A" , "age" : 3 }')
+    strict = grammar_for_request(request(structured_outputs={"json": PERSON, "disable_any_whitespace": True}),
+                                 whitespace_flexible=True)
+    assert not accepts(strict, '{ "name" : "A" , "age" : 3 }')
+    assert accepts(strict, '{"name":"A","age":3}')
+
+
 def test_disable_any_whitespace_beats_the_schemas_own_options():
     schema = dict(PERSON, **{"x-guidance": {"whitespace_flexible": True}})
     flexible = grammar_for_request(request(guided_json=schema))

@@ -65,7 +65,7 @@ async def tool_constraint(plan: Optional[ToolPlan], request: Any, runtime: Model
         for tool in plan.callable_tools:  # a bad schema is reported against its own tool
             grammar = json.dumps({"grammars": [arguments_grammar(tool)]})
             await runtime.grammars.compile(grammar, f"{tool.param}.parameters")
-        answer = request_grammar(request) if plan.mode == "auto" else None
+        answer = request_grammar(request, runtime.grammars.json_whitespace_flexible) if plan.mode == "auto" else None
         text = tool_grammar(plan, runtime.tokenizer.hf.get_added_vocab(), answer.grammar if answer else None)
     except ToolRequestError as e:
         raise APIError(e.message, param=e.param) from e

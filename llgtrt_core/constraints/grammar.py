@@ -106,8 +106,10 @@ class GrammarCompiler:
         cache_size: int = 256,
         max_workers: Optional[int] = None,
         log_level: int = 0,
+        json_whitespace_flexible: bool = False,
     ) -> None:
         self.tokenizer = ll_tokenizer
+        self.json_whitespace_flexible = json_whitespace_flexible  # server default for JSON schemas
         self.limits = parser_limits(limits)
         self.cache_size = cache_size
         self.log_level = log_level  # llguidance's stderr logging: 0 silent, 1 warnings
@@ -143,7 +145,7 @@ class GrammarCompiler:
 
     async def constraint_for_request(self, request: Any) -> Optional[GrammarConstraint]:
         """The request's fresh constraint, None when unconstrained; GrammarRequestError -> 400."""
-        found = request_grammar(request)
+        found = request_grammar(request, self.json_whitespace_flexible)
         if found is None:
             return None
         return self.new_constraint(await self.compile(found.grammar, found.param))

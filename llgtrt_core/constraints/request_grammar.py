@@ -24,7 +24,6 @@ from llguidance import LLMatcher
 
 from llgtrt_core.constraints.errors import GrammarRequestError
 
-DEFAULT_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}  # see dumps_compact
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 
 # The (param, kind) pairs of vLLM's `structured_outputs` and `guided_*` fields.
@@ -51,8 +50,10 @@ class RequestGrammar:
 
 @dataclass(frozen=True)
 class JsonPolicy:
-    """Per-request JSON options; they override the schema's own `x-guidance` block."""
+    """JSON options: the server default, which a schema's own `x-guidance` block overrides, and
+    the request's options, which override both."""
 
+    whitespace_flexible: bool = False  # server default; False = compact JSON (see dumps_compact)
     whitespace_pattern: Optional[str] = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
@@ -70,13 +71,13 @@ def dumps_compact(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-def grammar_for_request(request: Any) -> Optional[str]:
+def grammar_for_request(request: Any, whitespace_flexible: bool = False) -> Optional[str]:
     """The request's llguidance grammar, or None when its output is unconstrained."""
-    found = request_grammar(request)
+    found = request_grammar(request, whitespace_flexible)
     return found.grammar if found else None
 
 
-def request_grammar(request: Any) -> Optional[RequestGrammar]:
+def request_grammar(request: Any, whitespace_flexible: bool = False) -> Optional[RequestGrammar]:
     """Like `grammar_for_request`, also naming the field the grammar came from."""
     forms = _requested_forms(request)
     if not forms:
@@ -87,7 +88,7 @@ def request_grammar(request: Any) -> Optional[RequestGrammar]:
             second, f"only one constraint may be given per request; got {first} and {second}"
         )
     param, kind, value = forms[0]
-    return RequestGrammar(param, _build_grammar(param, kind, value, _json_policy(request)))
+    return RequestGrammar(param, _build_grammar(param, kind, value, _json_policy(request, whitespace_flexible)))
 
 
 def _get(obj: Any, name: str) -> Any:
@@ -148,7 +149,7 @@ def _required(response_format: Any, name: str, kind: str) -> Any:
     return value
 
 
-def _json_policy(request: Any) -> JsonPolicy:
+def _json_policy(request: Any, whitespace_flexible: bool) -> JsonPolicy:
     structured = _get(request, "structured_outputs")
     pattern = _get(structured, "whitespace_pattern")
     guided_pattern = _get(request, "guided_whitespace_pattern")
@@ -164,6 +165,7 @@ def _json_policy(request: Any) -> JsonPolicy:
             "structured_outputs.disable_any_whitespace", "cannot be combined with a whitespace_pattern"
         )
     return JsonPolicy(
+        whitespace_flexible=whitespace_flexible,
         whitespace_pattern=pattern,
         disable_any_whitespace=disable_whitespace,
         disable_additional_properties=bool(_get(structured, "disable_additional_properties")),
@@ -213,7 +215,7 @@ def json_schema_grammar(schema: Any, policy: JsonPolicy = JsonPolicy(), param: s
         schema = close_objects(schema)
     try:
         return LLMatcher.grammar_from_json_schema(
-            schema, defaults=DEFAULT_JSON_OPTIONS, overrides=policy.overrides()
+            schema, defaults={"whitespace_flexible": policy.whitespace_flexible}, overrides=policy.overrides()
         )
     except ValueError as e:
         raise GrammarRequestError(param, str(e)) from e
