@@ -1,0 +1,194 @@
+"""Constrained against unconstrained decoding through the HTTP server: TBT and TTFT by batch size.
+
+Requests are built from MaskBench schemas (../shared/data/maskbench): the prompt asks for a JSON
+object and quotes the schema, and the constrained request adds it as
+`response_format: {"type": "json_schema", ...}`; otherwise the two are the same request (same
+prompt, max_tokens, greedy). Schemas are tried in a fixed shuffled order and kept when the server
+compiles them (a 400 means it refused one); these first requests (max_tokens 1) pay for the
+compile, which is reported apart as the first-sight TTFT, and they leave the grammars in the
+server's cache, as a schema that many requests share would be.
+
+For each --batch B, each round sends B unconstrained requests at once and B constrained ones at
+once (which goes first alternates by round, so a shared machine's drift hits both alike). TBT is
+the time between content chunks, TTFT from sending to the first content chunk, both streamed
+(SSE) as in bench/http_load.py. Reported: median TBT constrained / unconstrained, and the TTFT
+overhead p50 (p50 constrained - p50 unconstrained), with the engine's mask-fill time per step
+from the server's /metrics (`llgtrt:grammar_mask_fill_seconds`).
+
+    python bench/constrained_tbt.py --batch 1,8 --max-tokens 32                       # CPU
+    python bench/constrained_tbt.py --batch 1,8,64,128 --max-batch-size 128 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from http_load import (  # noqa: E402
+    Histogram,
+    StreamResult,
+    add_server_arguments,
+    machine,
+    ms,
+    new_client,
+    percentile,
+    read_histogram,
+    served_model,
+    server_env,
+    server_url,
+    stream_chat,
+)
+
+DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "maskbench"
+MASK_FILL = "llgtrt:grammar_mask_fill_seconds"
+
+
+def schema_candidates(data: Path, max_chars: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
+    """(file name, schema) of MaskBench files whose schema text is at most `max_chars`, shuffled."""
+    candidates = []
+    for path in sorted(data.glob("*.json")):
+        schema = json.loads(path.read_text()).get("schema")
+        if isinstance(schema, dict) and len(json.dumps(schema)) <= max_chars:
+            candidates.append((path.name, schema))
+    random.Random(seed).shuffle(candidates)
+    return candidates
+
+
+def chat_body(model: str, schema: dict[str, Any], max_tokens: int, constrained: bool) -> dict[str, Any]:
+    prompt = f"Answer with one JSON object that follows this JSON schema:\n{json.dumps(schema)}"
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0.0}
+    if constrained:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "maskbench", "schema": schema, "strict": True}}
+    return body
+
+
+async def compiling_schemas(client: httpx.AsyncClient, url: str, model: str, count: int,
+                            candidates: list[tuple[str, dict[str, Any]]], budget_s: float
+                            ) -> tuple[list[tuple[str, dict[str, Any]]], list[float], int]:
+    """The first `count` candidates the server accepts, the TTFTs of those first-sight requests
+    (grammar compile included), and how many it refused."""
+    kept, first_ttfts, refused = [], [], 0
+    deadline = time.monotonic() + budget_s
+    for name, schema in candidates:
+        if len(kept) == count or time.monotonic() > deadline:
+            break
+        result = await stream_chat(client, url, chat_body(model, schema, 1, constrained=True))
+        if result.error is None and result.ttft is not None:
+            kept.append((name, schema))
+            first_ttfts.append(result.ttft)
+        elif result.error and result.error.startswith("HTTP 400"):
+            refused += 1
+        else:
+            raise RuntimeError(f"{name}: {result.error or 'no content chunk'}")
+    if len(kept) < count:
+        raise RuntimeError(f"only {len(kept)} of {count} schemas compiled within {budget_s} s")
+    return kept, first_ttfts, refused
+
+
+async def mask_fill(client: httpx.AsyncClient, url: str) -> Histogram:
+    return read_histogram((await client.get(f"{url}/metrics")).text, MASK_FILL)
+
+
+async def wave(client: httpx.AsyncClient, url: str, bodies: list[dict[str, Any]]) -> list[StreamResult]:
+    return list(await asyncio.gather(*(stream_chat(client, url, body) for body in bodies)))
+
+
+def stats(results: list[StreamResult]) -> dict[str, Any]:
+    ok = [r for r in results if r.error is None]
+    return {"tbt_p50": percentile([g for r in ok for g in r.gaps], 50),
+            "tbt_p99": percentile([g for r in ok for g in r.gaps], 99),
+            "ttft_p50": percentile([r.ttft for r in ok if r.ttft is not None], 50),
+            "tokens_per_request": sum(r.tokens for r in ok) / max(len(ok), 1),
+            "errors": len(results) - len(ok),
+            "error_samples": sorted({r.error for r in results if r.error})[:3]}
+
+
+async def measure_batch(client: httpx.AsyncClient, url: str, model: str, batch: int, rounds: int,
+                        schemas: list[tuple[str, dict[str, Any]]], max_tokens: int) -> dict[str, Any]:
+    picked = [schemas[i % len(schemas)][1] for i in range(batch)]
+    plain = [chat_body(model, s, max_tokens, constrained=False) for s in picked]
+    constrained = [chat_body(model, s, max_tokens, constrained=True) for s in picked]
+    results: dict[bool, list[StreamResult]] = {False: [], True: []}
+    mask_before = await mask_fill(client, url)
+    for round_index in range(rounds):
+        for is_constrained in ((False, True) if round_index % 2 == 0 else (True, False)):
+            results[is_constrained] += await wave(client, url, constrained if is_constrained else plain)
+    mask = (await mask_fill(client, url)).minus(mask_before)
+    off, on = stats(results[False]), stats(results[True])
+    return {"batch": batch, "unconstrained": off, "constrained": on,
+            "tbt_ratio": on["tbt_p50"] / off["tbt_p50"], "ttft_overhead_p50": on["ttft_p50"] - off["ttft_p50"],
+            "mask_fill_mean": mask.mean(), "mask_fill_steps": mask.count}
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print("\n| batch | TBT p50 unconstrained ms | TBT p50 constrained ms | ratio | TBT p99 unc. / con. ms | "
+          "TTFT p50 unconstrained ms | TTFT p50 constrained ms | TTFT overhead p50 ms | mask fill per step ms | "
+          "tokens/request unc. / con. | errors |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        off, on = r["unconstrained"], r["constrained"]
+        print(f"| {r['batch']} | {ms(off['tbt_p50'])} | {ms(on['tbt_p50'])} | {r['tbt_ratio']:.3f} | "
+              f"{ms(off['tbt_p99'])} / {ms(on['tbt_p99'])} | {ms(off['ttft_p50'])} | {ms(on['ttft_p50'])} | "
+              f"{r['ttft_overhead_p50'] * 1e3:+.1f} | {1e3 * r['mask_fill_mean']:.3f} | "
+              f"{off['tokens_per_request']:.1f} / {on['tokens_per_request']:.1f} | "
+              f"{off['errors'] + on['errors']} |")
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    batches = [int(b) for b in args.batch.split(",")]
+    candidates = schema_candidates(args.data, args.max_schema_chars, args.seed)
+    with server_url(args.url, args.bentoml_home, server_env(args)) as url:
+        async with new_client(max(batches), args.request_timeout) as client:
+            model = await served_model(client, url)
+            started = time.perf_counter()
+            schemas, first_ttfts, refused = await compiling_schemas(
+                client, url, model, min(max(batches), args.schemas), candidates, args.compile_budget)
+            print(f"{machine()}; {len(schemas)} schemas compiled ({refused} refused with 400) in "
+                  f"{time.perf_counter() - started:.1f} s; first-sight TTFT (compile included) "
+                  f"p50 {ms(percentile(first_ttfts, 50))} ms, max {ms(max(first_ttfts))} ms", flush=True)
+            rows = []
+            for batch in batches:
+                started = time.perf_counter()
+                rows.append(await measure_batch(client, url, model, batch, args.rounds, schemas, args.max_tokens))
+                r = rows[-1]
+                print(f"batch {batch}: {time.perf_counter() - started:.1f} s, TBT ratio {r['tbt_ratio']:.3f}, "
+                      f"TTFT overhead p50 {r['ttft_overhead_p50'] * 1e3:+.1f} ms", flush=True)
+    print_table(rows)
+    print(f"load average after: {machine()}")
+    return {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
+            "schemas": [name for name, _ in schemas], "first_sight_ttft": first_ttfts, "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_arguments(parser)
+    parser.add_argument("--batch", default="1,8", help='concurrency levels, e.g. "1,8,64,128" on a GPU')
+    parser.add_argument("--rounds", type=int, default=3, help="waves of each kind per batch size")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--schemas", type=int, default=128, help="distinct schemas (at most the largest batch)")
+    parser.add_argument("--max-schema-chars", type=int, default=1000, help="keeps the prompts short")
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile-budget", type=float, default=300, help="seconds for finding the schemas")
+    parser.add_argument("--request-timeout", type=float, default=300)
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
+    args = parser.parse_args()
+    report = asyncio.run(main_async(args))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
