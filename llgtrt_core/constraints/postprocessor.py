@@ -5,6 +5,9 @@ without the GIL (llguidance's rayon executor) into one preallocated int32 buffer
 CUDA is present), copy it to the device once, asynchronously, and mask the logits there with
 `llgtrt_core.kernels`. `fill` and `apply` are separate so an engine can fill the masks while
 its forward pass runs and apply them once the logits exist (the TensorRT-LLM adapter does).
+An engine that can append several tokens in one forward pass (the PyTorch engine) instead
+commits each sampled token through `commit_with_forced`, which also returns the tokens the
+grammar forces next, committed too, for it to feed without sampling.
 
 A row whose token is rejected, or whose matcher fails (e.g. a parser limit mid-generation),
 gets its constraint's `error` set and a mask allowing EOS only; the engine ends that request
@@ -24,14 +27,14 @@ from llguidance.torch import allocate_token_bitmask
 
 from llgtrt_core import metrics
 from llgtrt_core.constraints.grammar import GrammarConstraint
-from llgtrt_core.engine.interface import ConstrainedRow
+from llgtrt_core.engine.interface import ConstrainedRow, Constraint
 from llgtrt_core.kernels import apply_token_bitmask_inplace
 
 logger = logging.getLogger(__name__)
 
 
 class MaskPostProcessor:
-    """Implements `LogitsPostProcessor` for rows whose constraint is a `GrammarConstraint`."""
+    """Implements `LogitsPostProcessor` and `FastForwarder` for rows whose constraint is a `GrammarConstraint`."""
 
     def __init__(self, ll_tokenizer: LLTokenizer, max_batch_size: int = 64, num_threads: Optional[int] = None):
         self.vocab_size = ll_tokenizer.vocab_size
@@ -91,6 +94,24 @@ class MaskPostProcessor:
             apply_token_bitmask_inplace(logits, device_masks, device_rows, stream=stream)
             self._copy_done = torch.cuda.Event()
             self._copy_done.record(stream)
+
+    def commit_with_forced(self, constraint: Constraint, token: Optional[int], limit: int,
+                           stop_token_ids: frozenset[int] = frozenset()) -> list[int]:
+        """`FastForwarder`: commit `token` now, then the run of tokens the grammar forces after it
+        (llguidance's fast-forward tokens, at most `limit`), which the engine feeds unsampled."""
+        grammar: GrammarConstraint = constraint  # type: ignore[assignment]
+        if grammar.error is not None or (token is not None and not self._consume_one(grammar, token)):
+            return []
+        try:
+            forced = grammar.matcher.compute_ff_tokens()[:max(limit, 0)]
+            forced = forced[:next((i for i, t in enumerate(forced) if t in stop_token_ids), len(forced))]
+            if forced and not grammar.matcher.consume_tokens(forced):
+                self._reject(grammar, forced[0])
+                return []
+        except Exception as e:
+            grammar.fail(f"forced tokens failed after token {token}: {e}")
+            return []
+        return forced
 
     def _fill_one(self, row: ConstrainedRow) -> None:
         """The batch path's steps inlined: this runs once per token of a lone request."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Literal, Mapping, Optional, Protocol, Sequence
+from typing import AsyncIterator, Literal, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -83,6 +83,24 @@ class LogitsPostProcessor(Protocol):
         logits: torch.Tensor,
         stream: Optional[torch.cuda.Stream] = None,
     ) -> None: ...
+
+
+@runtime_checkable
+class FastForwarder(Protocol):
+    """A post-processor that can also hand out the tokens a grammar forces (fast-forward).
+
+    An engine that can append several tokens to a sequence in one forward pass calls it right
+    after sampling, instead of leaving the token for the next post-processor call to commit;
+    an engine that cannot (TensorRT-LLM) never calls it and the post-processor commits as usual.
+    """
+
+    def commit_with_forced(self, constraint: Constraint, token: Optional[int], limit: int,
+                           stop_token_ids: frozenset[int] = frozenset()) -> list[int]:
+        """Commit `token` (None: nothing sampled yet), then the tokens the grammar forces after it,
+        at most `limit` and up to the first stop token (left to be sampled, so the request ends as
+        usual), and return those. The sequence's next `ConstrainedRow.new_token` is None. A rejected
+        token sets `constraint.error` and forces nothing."""
+        ...
 
 
 @dataclass

@@ -74,11 +74,15 @@ class KVCache:
                 tensors[layer] = grown
         self.capacity = new_capacity
 
-    def write_prefill(self, layer: int, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys/values: (kv_heads, seq, head_dim) for positions 0..seq-1 of one slot."""
-        length = keys.shape[1]
-        self.keys[layer][slot, :, :length] = keys
-        self.values[layer][slot, :, :length] = values
+    def write_extend(
+        self, layer: int, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys/values: (kv_heads, seq, head_dim) for positions start..start+seq-1 of one slot;
+        returns the slot's keys/values up to the last of them."""
+        end = start + keys.shape[1]
+        self.keys[layer][slot, :, start:end] = keys
+        self.values[layer][slot, :, start:end] = values
+        return self.keys[layer][slot, :, :end], self.values[layer][slot, :, :end]
 
     def write_decode(
         self, layer: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_len: int

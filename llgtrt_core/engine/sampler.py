@@ -159,6 +159,17 @@ class BatchSampler:
             if state is not None:
                 state[dst] = state[src]
 
+    @torch.inference_mode()
+    def record_forced(self, row: int, token_ids: Sequence[int]) -> None:
+        """Count tokens appended to `row` without a draw (a grammar forced them), as if sampled:
+        min_tokens and the penalties see them."""
+        if not token_ids:
+            return
+        self._generated[row] += len(token_ids)
+        if self._output_counts is not None:
+            ids = torch.tensor(list(token_ids), device=self.device)
+            self._output_counts[row].scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+
     def _allocated(self, state: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         if state is None:
             state = torch.zeros(self._table.shape[0], self.vocab_size, dtype=dtype, device=self.device)

@@ -4,7 +4,9 @@ One background thread owns the model and runs steps; the event loop only submits
 and reads deltas. A step decodes one token for every running sequence, prefills the requests
 admitted since the last step, masks every constrained row in one post-processor call, samples,
 and hands each request its token. Finished or aborted sequences leave between steps and the
-last slot moves into the hole, so running sequences always fill slots 0..n-1. On CUDA the
+last slot moves into the hole, so running sequences always fill slots 0..n-1. When a grammar
+forces a run of tokens after the sampled one (fast-forward), they are emitted with it and fed
+in the next step's forward pass without being sampled (`LlamaForCausalLM.extend`). On CUDA the
 cache holds the whole context for as many slots as fit, and decode replays CUDA graphs
 (`decode_graphs.py`); the only host sync of a step is reading the sampled tokens.
 """
@@ -29,6 +31,7 @@ from llgtrt_core.engine.interface import (
     ConstrainedRow,
     Engine,
     EngineError,
+    FastForwarder,
     FinishReason,
     GenerationRequest,
     LogitsPostProcessor,
@@ -52,6 +55,7 @@ class TorchEngineConfig:
     dtype: Optional[str] = None  # default: bfloat16 on cuda, float32 on cpu
     cpu_threads: Optional[int] = None  # torch intra-op threads on cpu; default: all cores but one
     cuda_graphs: bool = True  # decode under CUDA graphs (cuda only)
+    fast_forward: bool = True  # feed the tokens a grammar forces in one forward pass, unsampled
 
     def resolve_device(self) -> torch.device:
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -77,8 +81,9 @@ class _Sequence:
     generator: torch.Generator
     length: int = 0  # positions held in the KV cache
     num_generated: int = 0
-    pending_token: Optional[int] = None  # sampled last step, fed to the model this step
+    pending_tokens: list[int] = field(default_factory=list)  # sampled (then forced) last step, fed this step
     uncommitted_token: Optional[int] = None  # sampled last step, not yet seen by the constraint
+    fast_forward: bool = False  # its constraint's forced tokens are fed without sampling
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # sent with the first delta
     arrival: float = field(default_factory=time.monotonic)  # for the queue-time metric
 
@@ -117,6 +122,8 @@ class TorchEngine(Engine):
         self.cache: Optional[KVCache] = None
         self.decode_graphs: Optional[DecodeGraphs] = None
         self.sampler = BatchSampler(config.max_batch_size, self.vocab_size, self.device)
+        self._forwarder = post_processor if config.fast_forward and isinstance(post_processor, FastForwarder) else None
+        self.num_steps = 0  # forward steps run: what fast-forward saves
 
     # ---- event-loop side -------------------------------------------------------------
 
@@ -248,6 +255,7 @@ class TorchEngine(Engine):
                 return
 
     def _step(self) -> None:
+        self.num_steps += 1
         logits = []
         if self._running:
             logits.append(self._decode())
@@ -261,42 +269,76 @@ class TorchEngine(Engine):
         sampled = self.sampler.sample(step_logits, raw_logprobs)
         finished: list[int] = []
         for index, (seq, token, logprob) in enumerate(zip(self._running, sampled.token_ids, sampled.logprobs)):
-            reason = self._advance(seq, token, logprob)
+            reason = self._advance(index, seq, token, logprob)
             if reason is not None:
                 finished.append(index)
         for index in reversed(finished):
             self._remove(index)
 
     def _decode(self) -> torch.Tensor:
+        """Every sequence's first pending token in one batched decode; a sequence with forced tokens
+        behind it then feeds those through `extend`, whose last logits replace its row."""
         positions = [seq.length for seq in self._running]
         key_len = max(positions) + 1
-        self.cache.reserve(key_len)
-        token_ids = torch.tensor([seq.pending_token for seq in self._running], device=self.device)
+        self.cache.reserve(max(seq.length + len(seq.pending_tokens) for seq in self._running))
+        token_ids = torch.tensor([seq.pending_tokens[0] for seq in self._running], device=self.device)
         positions_tensor = torch.tensor(positions, device=self.device)
         if self.decode_graphs is not None:
             logits = self.decode_graphs.decode(token_ids, positions_tensor, key_len)
         else:
             logits = self.model.decode(token_ids, positions_tensor, key_len, self.cache)
-        for seq in self._running:
-            seq.length += 1
+        for slot, seq in enumerate(self._running):
+            if len(seq.pending_tokens) > 1:
+                forced = torch.tensor(seq.pending_tokens[1:], device=self.device)
+                logits[slot] = self.model.extend(forced, self.cache, slot, start=seq.length + 1)
+            seq.length += len(seq.pending_tokens)
         return logits
 
     def _prefill(self, seq: _Sequence, slot: int) -> torch.Tensor:
+        """The prompt, followed by the tokens the grammar forces before anything is sampled (a JSON
+        schema's `{"name`), which are emitted as the first delta; one token is left to sample."""
         prompt = seq.request.prompt_token_ids
+        sampling = seq.request.sampling
         metrics.request_queue_time.observe(time.monotonic() - seq.arrival)
-        self.cache.reserve(len(prompt))
-        self.sampler.add(slot, seq.request.sampling, prompt, seq.generator)
-        num_top = seq.request.sampling.prompt_logprobs
+        seq.fast_forward = self._forwarder is not None and seq.request.constraint is not None and not (
+            sampling.logprobs is not None and sampling.logprobs_mode == "raw_logprobs")
+        forced = self._forced(seq, None, min(sampling.max_tokens, self.max_model_len - len(prompt)) - 1)
+        tokens = prompt + forced
+        self.cache.reserve(len(tokens))
+        self.sampler.add(slot, sampling, prompt, seq.generator)
+        self.sampler.record_forced(slot, forced)
+        num_top = sampling.prompt_logprobs
         if num_top is None:
-            logits = self.model.prefill(torch.tensor(prompt, device=self.device), self.cache, slot)
+            logits = self.model.prefill(torch.tensor(tokens, device=self.device), self.cache, slot)
         else:
-            logits, seq.prompt_logprobs = self._prefill_with_prompt_logprobs(prompt, slot, num_top)
-        seq.length = len(prompt)
+            logits, seq.prompt_logprobs = self._prefill_with_prompt_logprobs(tokens, len(prompt), slot, num_top)
+        seq.length = len(tokens)
+        if forced:
+            seq.num_generated = len(forced)
+            seq.emit(TokenDelta(forced, logprobs=self._forced_logprobs(seq, forced),
+                                prompt_logprobs=seq.take_prompt_logprobs()))
         return logits
 
-    def _prefill_with_prompt_logprobs(self, prompt: list[int], slot: int, num_top: int
+    def _forced(self, seq: _Sequence, token: Optional[int], limit: int) -> list[int]:
+        """Commit `token` (None: nothing sampled yet) and return the up to `limit` tokens its grammar
+        forces next, committed too: empty unless the sequence fast-forwards. A forced stop token is
+        left to the sampler (the mask allows only it), so the request ends with "stop" as usual."""
+        if not seq.fast_forward:
+            return []
+        return self._forwarder.commit_with_forced(seq.request.constraint, token, limit,
+                                                  seq.request.sampling.stop_token_ids)
+
+    @staticmethod
+    def _forced_logprobs(seq: _Sequence, forced: list[int]) -> Optional[list[TokenLogprob]]:
+        """A forced token is the only one its (processed) distribution allows: logprob 0, no alternatives."""
+        if seq.request.sampling.logprobs is None:
+            return None
+        return [TokenLogprob(0.0, ((token, 0.0),) if seq.request.sampling.logprobs else ()) for token in forced]
+
+    def _prefill_with_prompt_logprobs(self, tokens: list[int], prompt_len: int, slot: int, num_top: int
                                       ) -> tuple[torch.Tensor, list[Optional[TokenLogprob]]]:
-        """Prefill, also scoring every prompt token under the model (raw logprobs; None for the first).
+        """Prefill, also scoring every prompt token under the model (raw logprobs; None for the first);
+        `tokens` is the prompt followed by forced tokens, which are not scored.
 
         The model returns the last position's logits only, so catch its final hidden states and
         project them here, a chunk of positions at a time to bound the (positions, vocab) memory.
@@ -304,14 +346,14 @@ class TorchEngine(Engine):
         captured: list[torch.Tensor] = []
         hook = self.model.model.norm.register_forward_hook(lambda _m, _i, out: captured.append(out))
         try:
-            logits = self.model.prefill(torch.tensor(prompt, device=self.device), self.cache, slot)
+            logits = self.model.prefill(torch.tensor(tokens, device=self.device), self.cache, slot)
         finally:
             hook.remove()
         hidden = captured[0].reshape(-1, captured[0].shape[-1])
-        targets = torch.tensor(prompt[1:], device=self.device)
+        targets = torch.tensor(tokens[1:prompt_len], device=self.device)
         scored: list[Optional[TokenLogprob]] = [None]
-        for start in range(0, len(prompt) - 1, _PROMPT_LOGPROBS_CHUNK):
-            end = min(start + _PROMPT_LOGPROBS_CHUNK, len(prompt) - 1)
+        for start in range(0, prompt_len - 1, _PROMPT_LOGPROBS_CHUNK):
+            end = min(start + _PROMPT_LOGPROBS_CHUNK, prompt_len - 1)
             chunk_logprobs = self.model.lm_head(hidden[start:end]).float().log_softmax(dim=-1)
             scored += token_logprobs(chunk_logprobs, targets[start:end], [num_top] * (end - start))[1]
         return logits, scored
@@ -330,8 +372,10 @@ class TorchEngine(Engine):
         for row in rows:
             self._running[row.row].uncommitted_token = None
 
-    def _advance(self, seq: _Sequence, token: int, logprob: Optional[TokenLogprob] = None) -> Optional[FinishReason]:
-        """Hand the sampled token to its request; return a finish reason when the sequence is done."""
+    def _advance(self, row: int, seq: _Sequence, token: int, logprob: Optional[TokenLogprob] = None
+                 ) -> Optional[FinishReason]:
+        """Hand the sampled token, and the tokens its grammar forces after it, to its request; return a
+        finish reason when the sequence is done. A forced run stops short of max_tokens and the context."""
         constraint = seq.request.constraint
         if constraint is not None and constraint.error is not None:
             self._finish(seq, "error", error=constraint.error)
@@ -341,14 +385,24 @@ class TorchEngine(Engine):
             self._finish(seq, "stop")
             return "stop"
         seq.num_generated += 1
+        logprobs = None if logprob is None else [logprob]
         # The context bounds prompt + completion; the prompt and all but this token are cached.
         if seq.num_generated >= sampling.max_tokens or seq.length + 1 >= self.max_model_len:
-            self._finish(seq, "length", [token], logprobs=None if logprob is None else [logprob])
+            self._finish(seq, "length", [token], logprobs=logprobs)
             return "length"
-        seq.emit(TokenDelta([token], logprobs=None if logprob is None else [logprob],
-                            prompt_logprobs=seq.take_prompt_logprobs()))
-        seq.pending_token = token
-        if constraint is not None:
+        forced = self._forced(seq, token, min(sampling.max_tokens - seq.num_generated,
+                                              self.max_model_len - seq.length - 1))
+        tokens = [token, *forced]
+        if logprobs is not None:
+            logprobs += self._forced_logprobs(seq, forced)
+        seq.num_generated += len(forced)
+        if seq.num_generated >= sampling.max_tokens or seq.length + len(tokens) >= self.max_model_len:
+            self._finish(seq, "length", tokens, logprobs=logprobs)
+            return "length"
+        seq.emit(TokenDelta(tokens, logprobs=logprobs, prompt_logprobs=seq.take_prompt_logprobs()))
+        seq.pending_tokens = tokens
+        self.sampler.record_forced(row, forced)
+        if constraint is not None and not seq.fast_forward:
             seq.uncommitted_token = token
         return None
 

@@ -3,7 +3,8 @@
 Parameter names follow Hugging Face checkpoints, except that q/k/v and gate/up projections are
 packed into one matrix each (`checkpoint_tensors` maps the checkpoint's names onto them). The
 model reads and writes an external KV cache (`llgtrt_core.engine.kv_cache.KVCache`): one
-sequence at a time for prefill, the first `n` cache slots at once for decode.
+sequence at a time for `extend` (a prompt, or tokens a grammar forced), the first `n` cache
+slots at once for decode.
 """
 
 from __future__ import annotations
@@ -190,11 +191,14 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def prefill(self, x: torch.Tensor, cos, sin, cache: KVCache, slot: int) -> torch.Tensor:
-        """One sequence, positions 0..seq-1, causal attention over itself."""
+    def extend(self, x: torch.Tensor, cos, sin, cache: KVCache, slot: int, start: int,
+               attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """One sequence's new tokens at positions start..start+seq-1: attends to the slot's cached
+        keys and causally among the new ones. attn_mask: (seq, start+seq) bool, None when start is 0."""
         q, k, v = self._project(x, cos, sin)
-        cache.write_prefill(self.layer_index, slot, k[0], v[0])
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        keys, values = cache.write_extend(self.layer_index, slot, start, k[0], v[0])
+        out = F.scaled_dot_product_attention(q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=attn_mask,
+                                             is_causal=attn_mask is None, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
     def decode(
@@ -281,13 +285,22 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     @torch.inference_mode()
-    def prefill(self, token_ids: torch.Tensor, cache: KVCache, slot: int) -> torch.Tensor:
-        """token_ids: (seq,) of one prompt. Fills the cache slot; returns the last position's logits (vocab,)."""
-        positions = torch.arange(token_ids.shape[0], device=token_ids.device).unsqueeze(0)
+    def extend(self, token_ids: torch.Tensor, cache: KVCache, slot: int, start: int = 0) -> torch.Tensor:
+        """token_ids: (seq,) appended to one cache slot at positions start..start+seq-1 (a prompt when
+        start is 0, tokens a grammar forced otherwise). Returns the last position's logits (vocab,)."""
+        end = start + token_ids.shape[0]
+        positions = torch.arange(start, end, device=token_ids.device)
+        # Query i sees keys 0..start+i; from 0 that is plain causal attention (SDPA's is_causal).
+        attn_mask = None if start == 0 else torch.arange(end, device=token_ids.device) <= positions[:, None]
         hidden = self._run(
-            token_ids.unsqueeze(0), positions, lambda attn, h, cos, sin: attn.prefill(h, cos, sin, cache, slot)
+            token_ids.unsqueeze(0), positions.unsqueeze(0),
+            lambda attn, h, cos, sin: attn.extend(h, cos, sin, cache, slot, start, attn_mask),
         )
         return self.lm_head(hidden[0, -1]).float()
+
+    def prefill(self, token_ids: torch.Tensor, cache: KVCache, slot: int) -> torch.Tensor:
+        """A prompt: `extend` from position 0."""
+        return self.extend(token_ids, cache, slot)
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, key_len: int, cache: KVCache) -> torch.Tensor:
