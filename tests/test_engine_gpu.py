@@ -152,3 +152,44 @@ def test_bf16_graph_decode_logits_track_the_reference() -> None:
         expected = reference_next_logits(weights, config, prompt + [token])
         relative = (logits[row] - expected).norm() / expected.norm()
         assert relative < 3e-2, (row, float(relative))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fast_forward_gives_the_same_constrained_tokens_in_fewer_steps(model_dir: Path, device: str) -> None:
+    """Forced runs appended with extend() (on CUDA beside graph decode) change nothing but the step
+    count. llguidance's byte tokenizer (262 tokens) is narrower than the model (512): the tail is
+    masked, so every output is a schema-valid JSON document."""
+    from llguidance import LLTokenizer
+
+    from llgtrt_core.constraints import GrammarCompiler
+    from llgtrt_core.constraints.postprocessor import MaskPostProcessor
+    from llgtrt_core.constraints.request_grammar import json_schema_grammar
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+              "required": ["color", "ok"], "additionalProperties": False}
+    byte_tokenizer = LLTokenizer("byte")
+    eos = frozenset(byte_tokenizer.eos_tokens)
+    config = ModelConfig.from_hf(TINY_LLAMA)
+    model = random_model(config, MAX_LEN, torch.float32, torch.device(device), seed=5)
+
+    def run(fast_forward: bool) -> tuple[list[list[int]], int]:
+        compiler = GrammarCompiler(byte_tokenizer)
+        compiled = asyncio.run(compiler.compile(json_schema_grammar(schema)))
+        engine = TorchEngine(model_dir, TorchEngineConfig(max_batch_size=3, max_model_len=MAX_LEN, device=device,
+                                                          dtype="float32", fast_forward=fast_forward),
+                             MaskPostProcessor(byte_tokenizer, max_batch_size=3), model=model)
+        requests = [GenerationRequest(f"c{i}", list(range(10 + i, 30 + i)),
+                                      SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=eos),
+                                      compiler.new_constraint(compiled)) for i in range(2)]
+        requests.append(GenerationRequest("plain", list(range(40, 60)), SamplingParams(max_tokens=20, temperature=0.0)))
+        tokens = run_engine(engine, requests)
+        compiler.close()
+        return tokens, engine.num_steps
+
+    plain_tokens, plain_steps = run(fast_forward=False)
+    fast_tokens, fast_steps = run(fast_forward=True)
+    assert fast_tokens == plain_tokens
+    assert fast_steps < plain_steps
+    for tokens in fast_tokens[:2]:
+        document = json.loads(bytes(tokens))
+        assert document["color"] in ("red", "green", "blue") and isinstance(document["ok"], bool)
