@@ -2,11 +2,8 @@
 constrained and unconstrained requests, a quarter of them hanging up early.
 
 Checks: no 5xx and no error event, every constrained output that finished is valid, every other
-stream ends with [DONE], and afterwards the engine holds no request. The issue asks for 2 minutes;
-on a 2-core CI machine shared with the rest of the suite the default is 60 s (LLGTRT_LOAD_TEST_SECONDS
-sets it): with max_batch_size 8, 64 clients already keep 56 requests queued in the engine, so the
-queueing, admission and abort paths are all exercised within the first seconds, and a longer run
-only repeats them.
+stream ends with [DONE], and afterwards the engine holds no request. It runs the issue's 2 minutes
+(LLGTRT_LOAD_TEST_SECONDS changes it; the whole suite stays far inside CI's 90 minutes).
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ import httpx
 import jsonschema
 
 NUM_CLIENTS = 64
-DURATION_S = float(os.environ.get("LLGTRT_LOAD_TEST_SECONDS", "60"))
+DURATION_S = float(os.environ.get("LLGTRT_LOAD_TEST_SECONDS", "120"))
 HANG_UP_AFTER_CHUNKS = 3
 ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "sure": {"type": "boolean"}},
                  "required": ["answer", "sure"], "additionalProperties": False}
