@@ -83,9 +83,11 @@ def regex_constraint(pattern: str) -> GrammarConstraint:
     return GrammarConstraint(LLMatcher(BYTE_TOKENIZER, LLMatcher.grammar_from_regex(pattern)))
 
 
-def make_engine(model_dir: Path, backend: str, postprocessor=None, **overrides) -> TrtLlmEngine:
+def make_engine(model_dir: Path, backend: str, postprocessor=None, max_model_len: int = 64,
+                **overrides) -> TrtLlmEngine:
     config = TrtLlmEngineConfig(
-        model_dir=str(model_dir), backend=backend, vocab_size=VOCAB, max_model_len=64, eos_token_id=EOS, **overrides
+        model_dir=str(model_dir), backend=backend, vocab_size=VOCAB, max_model_len=max_model_len, eos_token_id=EOS,
+        **overrides,
     )
     return TrtLlmEngine(config, postprocessor)
 
@@ -227,7 +229,9 @@ def test_prompt_checks_raise_engine_error(fake_trt, model_dir):
 
 def test_abort_ends_the_stream_with_abort(fake_trt, model_dir):
     async def main():
-        engine = make_engine(model_dir, "pytorch")
+        # A context far longer than the abort takes to land, even on a busy machine: the fake
+        # executor runs its steps unthrottled on its own thread.
+        engine = make_engine(model_dir, "pytorch", max_model_len=20_000)
         await engine.start()
         seen, reasons = [], []
         async for delta in engine.generate(request("long", [0], max_tokens=10_000)):
