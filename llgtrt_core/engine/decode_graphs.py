@@ -1,11 +1,12 @@
 """The decode step under CUDA graphs: one launch per step instead of a few hundred kernels.
 
-A graph fixes its shapes, so steps are padded to a bucket: the batch to the next size in
-1, 2, 4, 8, 16, 24, 32, 48, 64, ... (capped at the cache's slots), the attended key length to
-the next power of two (at least 256, capped at the cache's capacity). Padding rows feed token
-0 at position 0 of free slots (slots past the running ones hold no sequence), and keys past a
-row's position are masked, so padding changes no running row's result. Graphs are captured
-lazily, the first time a bucket is seen, and share one memory pool.
+A graph fixes its shapes, so steps are padded to a batch bucket: the next size in 1, 2, 4, 8,
+16, 32, 48, 64, ... (steps of 32 past 256 slots; capped at the cache's slots). Key lengths need no bucket: the decode
+ops read each row's length (its position + 1) on the device, so one graph per batch bucket
+serves every length. Padding rows feed token 0 at position 0 of free slots (slots past the
+running ones hold no sequence), which no running row attends to, so padding changes no running
+row's result. Graphs are captured lazily, the first time a bucket is seen, and share one
+memory pool.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import torch
 
 from llgtrt_core.engine.kv_cache import KVCache
 from llgtrt_core.models.llama import LlamaForCausalLM
-
-MIN_KEY_BUCKET = 256
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -35,32 +34,28 @@ class DecodeGraphs:
         device = cache.keys[0].device
         self.token_ids = torch.zeros(cache.num_slots, dtype=torch.long, device=device)
         self.positions = torch.zeros(cache.num_slots, dtype=torch.long, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by batch bucket
         self.pool = torch.cuda.graph_pool_handle()
 
-    def key_bucket(self, key_len: int) -> int:
-        bucket = MIN_KEY_BUCKET
-        while bucket < key_len:
-            bucket *= 2
-        return min(bucket, self.cache.capacity)
-
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
-        """Same contract as LlamaForCausalLM.decode over the first n slots; returns logits (n, vocab)."""
+        """Same contract as LlamaForCausalLM.decode over the first n slots; returns logits (n, vocab).
+        key_len is not needed: the graph's bound is the whole cache (see _capture)."""
         n = token_ids.shape[0]
         batch = self.buckets[bisect.bisect_left(self.buckets, n)]
         self.token_ids[:n].copy_(token_ids)
         self.positions[:n].copy_(positions)
         self.token_ids[n:batch].zero_()
         self.positions[n:batch].zero_()
-        key = (batch, self.key_bucket(key_len))
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(*key)
-        graph, logits = self.graphs[key]
+        if batch not in self.graphs:
+            self.graphs[batch] = self._capture(batch)
+        graph, logits = self.graphs[batch]
         graph.replay()
         return logits[:n]
 
-    def _capture(self, batch: int, key_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Run the step once eagerly (warms up kernels and allocator), then record it.
+    def _capture(self, batch: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Run the step once eagerly (compiles the Triton kernels, warms up the allocator), then
+        record it. The key bound is the cache's capacity, right for every step the graph replays
+        (the Triton ops ignore it; the torch ops, used without triton, mask over it).
 
         The static inputs already hold this step's real tokens, so the eager run and the
         replay that follows write the same keys and values: capturing changes no state.
@@ -69,9 +64,9 @@ class DecodeGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.model.decode(token_ids, positions, key_len, self.cache)
+            self.model.decode(token_ids, positions, self.cache.capacity, self.cache)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model.decode(token_ids, positions, key_len, self.cache)
+            logits = self.model.decode(token_ids, positions, self.cache.capacity, self.cache)
         return graph, logits

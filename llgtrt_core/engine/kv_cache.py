@@ -1,9 +1,10 @@
 """A KV cache with one slot per running sequence.
 
 Layout per layer: (slots, kv_heads, capacity, head_dim). Running sequences occupy slots
-0..n-1 (the engine compacts on removal), so decode attends over a view of the first n slots
-without gathering. On CPU the capacity grows by doubling up to the context length, so a
-server that only sees short prompts never holds memory for long ones. On CUDA the whole
+0..n-1 (the engine compacts on removal), so decode's row i is slot i: it writes and attends
+there without gathering (`llgtrt_core.layers`: rope_write_kv, decode_attention). On CPU
+the capacity grows by doubling up to the context length, so a server that only sees short
+prompts never holds memory for long ones. On CUDA the whole
 context is allocated up front, as many slots as free device memory allows: addresses never
 change, which CUDA graphs of the decode step need.
 """
@@ -83,16 +84,6 @@ class KVCache:
         self.keys[layer][slot, :, start:end] = keys
         self.values[layer][slot, :, start:end] = values
         return self.keys[layer][slot, :, :end], self.values[layer][slot, :, :end]
-
-    def write_decode(
-        self, layer: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write one position for each of the first n slots; return their keys/values up to key_len."""
-        n = positions.shape[0]
-        slots = torch.arange(n, device=positions.device)
-        self.keys[layer][slots, :, positions] = keys
-        self.values[layer][slots, :, positions] = values
-        return self.keys[layer][:n, :, :key_len], self.values[layer][:n, :, :key_len]
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot src's first `length` positions into slot dst (compaction after a removal)."""

@@ -1,4 +1,6 @@
-"""Llama-family decoder in plain PyTorch (SmolLM2, Llama 3.x, Qwen2/2.5/3, Mistral shapes).
+"""Llama-family decoder (SmolLM2, Llama 3.x, Qwen2/2.5/3, Mistral shapes): PyTorch modules for the
+weights and matmuls; the ops between them (residual add + RMSNorm, RoPE + KV write, SiLU x up,
+decode attention) come from `llgtrt_core.layers`, as Triton kernels on CUDA, plain torch elsewhere.
 
 Parameter names follow Hugging Face checkpoints, except that q/k/v and gate/up projections are
 packed into one matrix each (`checkpoint_tensors` maps the checkpoint's names onto them). The
@@ -18,6 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from llgtrt_core.engine.kv_cache import KVCache
+from llgtrt_core.layers.layernorm import rms_norm
+from llgtrt_core.layers.ops import LayerOps, layer_ops
+from llgtrt_core.layers.rotary import apply_rope
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -101,32 +106,6 @@ def rope_tables(config: ModelConfig, max_positions: int, device: torch.device) -
     return angles.cos(), angles.sin()
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (batch, heads, seq, head_dim); cos/sin: (batch, 1, seq, head_dim)."""
-    return (x * cos + rotate_half(x) * sin).to(x.dtype)
-
-
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Grouped-query attention of one query per sequence over its cached keys.
-
-    q: (n, heads, 1, head_dim); keys/values: (n, kv_heads, key_len, head_dim), a strided view of
-    the cache; mask: (n, 1, 1, key_len) bool. Plain matmuls: for a single query they beat SDPA's
-    CPU kernel by an order of magnitude and need no copy of the cache view.
-    """
-    n, heads, _, head_dim = q.shape
-    kv_heads = keys.shape[1]
-    q = q.view(n, kv_heads, heads // kv_heads, head_dim)
-    scores = torch.matmul(q, keys.transpose(2, 3)) * head_dim**-0.5  # (n, kv_heads, group, key_len)
-    scores = scores.float().masked_fill(~mask, float("-inf"))
-    out = torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)  # (n, kv_heads, group, head_dim)
-    return out.view(n, heads, head_dim)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -134,10 +113,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Hugging Face's order: normalize in float32, round to the input dtype, then scale.
-        # F.rms_norm is one fused kernel on CUDA and bit-identical to the unfused ops on CPU.
-        normalized = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normalized.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: Optional[torch.Tensor],
+            ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """x joins the residual stream (in place), which is then normalized: ops.add_rms_norm."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class PackedLinear(nn.Linear):
@@ -180,7 +161,11 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def extend(self, x: torch.Tensor, cos, sin, cache: KVCache, slot: int, start: int,
+               attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """One sequence's new tokens at positions start..start+seq-1: attends to the slot's cached
+        keys and causally among the new ones. x: (1, seq, hidden); cos/sin: float32 (1, 1, seq,
+        head_dim); attn_mask: (seq, start+seq) bool, None when start is 0."""
         batch, seq, _ = x.shape
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(batch, seq, self.num_heads, self.head_dim)
@@ -189,25 +174,19 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def extend(self, x: torch.Tensor, cos, sin, cache: KVCache, slot: int, start: int,
-               attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """One sequence's new tokens at positions start..start+seq-1: attends to the slot's cached
-        keys and causally among the new ones. attn_mask: (seq, start+seq) bool, None when start is 0."""
-        q, k, v = self._project(x, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = cache.write_extend(self.layer_index, slot, start, k[0], v[0])
         out = F.scaled_dot_product_attention(q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=attn_mask,
                                              is_causal=attn_mask is None, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
-    def decode(
-        self, x: torch.Tensor, cos, sin, cache: KVCache, positions: torch.Tensor, attn_mask: torch.Tensor
-    ) -> torch.Tensor:
-        """One new token for each of the first n slots; slot i's token sits at positions[i]."""
-        q, k, v = self._project(x, cos, sin)
-        keys, values = cache.write_decode(self.layer_index, positions, k[:, :, 0], v[:, :, 0], attn_mask.shape[-1])
-        return self.o_proj(decode_attention(q, keys, values, attn_mask).reshape(x.shape[0], 1, -1))
+    def decode(self, x: torch.Tensor, ops: LayerOps, cos_table: torch.Tensor, sin_table: torch.Tensor,
+               cache: KVCache, positions: torch.Tensor, key_len: int) -> torch.Tensor:
+        """One new token for each of the first n slots; x: (n, hidden), slot i's token sits at positions[i]."""
+        keys, values = cache.keys[self.layer_index], cache.values[self.layer_index]
+        qk_norm = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q = ops.rope_write_kv(self.qkv_proj(x), positions, cos_table, sin_table, keys, values, *qk_norm)
+        return self.o_proj(ops.decode_attention(q, keys, values, positions, key_len))
 
 
 class MLP(nn.Module):
@@ -217,9 +196,8 @@ class MLP(nn.Module):
         self.gate_up_proj = PackedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=False)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -230,9 +208,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, attend) -> torch.Tensor:
-        x = x + attend(self.self_attn, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], ops: LayerOps,
+                attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream (vLLM's order, which
+        lets each add fuse into the norm after it); returns this layer's output and the stream."""
+        h, residual = self.input_layernorm.add(x, residual, ops)
+        h, residual = self.post_attention_layernorm.add(attend(self.self_attn, h), residual, ops)
+        return self.mlp(h, ops), residual
 
 
 class LlamaModel(nn.Module):
@@ -255,6 +237,9 @@ class LlamaForCausalLM(nn.Module):
         # Filled by reset_rope_tables once the model sits on its device (it is built on "meta").
         self.register_buffer("rope_cos", torch.empty(max_positions, config.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(max_positions, config.head_dim), persistent=False)
+        # Triton kernels for the ops between matmuls on CUDA; False keeps the plain torch ops (the
+        # reference) on every device, which benchmarks time against.
+        self.fused_ops = True
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter under its Hugging Face checkpoint name (packed ones as row views), shared
@@ -273,30 +258,34 @@ class LlamaForCausalLM(nn.Module):
         """Recompute the float32 cos/sin tables on the model's device (after to_empty or a dtype cast)."""
         self.rope_cos, self.rope_sin = rope_tables(self.config, self.max_positions, self.lm_head.weight.device)
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for positions shaped (batch, seq) -> (batch, 1, seq, head_dim)."""
-        return self.rope_cos[positions].unsqueeze(1).to(dtype), self.rope_sin[positions].unsqueeze(1).to(dtype)
-
-    def _run(self, token_ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        x = self.model.embed_tokens(token_ids)
-        cos, sin = self._rope(positions, x.dtype)
+    def _run(self, x: torch.Tensor, ops: LayerOps, attend) -> torch.Tensor:
+        """The decoder layers and the final norm over embeddings x; attend(attention, h) -> its output."""
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, lambda attn, h: attend(attn, h, cos, sin))
-        return self.model.norm(x)
+            x, residual = layer(x, residual, ops, attend)
+        hidden, _ = self.model.norm.add(x, residual, ops)
+        return hidden
 
     @torch.inference_mode()
     def extend(self, token_ids: torch.Tensor, cache: KVCache, slot: int, start: int = 0) -> torch.Tensor:
         """token_ids: (seq,) appended to one cache slot at positions start..start+seq-1 (a prompt when
         start is 0, tokens a grammar forced otherwise). Returns the last position's logits (vocab,)."""
+        return self.lm_head(self.extend_hidden(token_ids, cache, slot, start)[-1]).float()
+
+    @torch.inference_mode()
+    def extend_hidden(self, token_ids: torch.Tensor, cache: KVCache, slot: int, start: int = 0) -> torch.Tensor:
+        """`extend`, returning every new position's final hidden state (seq, hidden) instead of the
+        last position's logits (prompt logprobs project them chunk by chunk)."""
         end = start + token_ids.shape[0]
         positions = torch.arange(start, end, device=token_ids.device)
         # Query i sees keys 0..start+i; from 0 that is plain causal attention (SDPA's is_causal).
         attn_mask = None if start == 0 else torch.arange(end, device=token_ids.device) <= positions[:, None]
+        cos, sin = self.rope_cos[positions][None, None], self.rope_sin[positions][None, None]
         hidden = self._run(
-            token_ids.unsqueeze(0), positions.unsqueeze(0),
-            lambda attn, h, cos, sin: attn.extend(h, cos, sin, cache, slot, start, attn_mask),
+            self.model.embed_tokens(token_ids.unsqueeze(0)), layer_ops(token_ids.device, self.fused_ops),
+            lambda attn, h: attn.extend(h, cos, sin, cache, slot, start, attn_mask),
         )
-        return self.lm_head(hidden[0, -1]).float()
+        return hidden[0]
 
     def prefill(self, token_ids: torch.Tensor, cache: KVCache, slot: int) -> torch.Tensor:
         """A prompt: `extend` from position 0."""
@@ -304,12 +293,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, key_len: int, cache: KVCache) -> torch.Tensor:
-        """token_ids, positions: (n,) for cache slots 0..n-1; key_len = max(positions) + 1, known to the
-        caller without a device sync. Returns logits (n, vocab)."""
-        attn_mask = (torch.arange(key_len, device=positions.device) <= positions[:, None])[:, None, None, :]
+        """token_ids, positions: (n,) for cache slots 0..n-1. key_len >= max(positions) + 1, known to the
+        caller without a device sync, bounds the keys the torch ops read; the Triton ops read each
+        row's own length on the device. Returns logits (n, vocab)."""
+        ops = layer_ops(token_ids.device, self.fused_ops)
         hidden = self._run(
-            token_ids.unsqueeze(1),
-            positions.unsqueeze(1),
-            lambda attn, h, cos, sin: attn.decode(h, cos, sin, cache, positions, attn_mask),
+            self.model.embed_tokens(token_ids), ops,
+            lambda attn, h: attn.decode(h, ops, self.rope_cos, self.rope_sin, cache, positions, key_len),
         )
-        return self.lm_head(hidden[:, 0]).float()
+        return self.lm_head(hidden).float()

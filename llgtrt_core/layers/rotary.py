@@ -1,0 +1,54 @@
+"""Rotary position embeddings, and decode's step from the packed qkv projection to the KV cache
+(Triton twin: rotary_triton.py)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from llgtrt_core.layers.layernorm import rms_norm
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (..., head_dim); cos/sin: float32, broadcastable to x, in Hugging Face's half-split layout.
+    Rotates in float32 and rounds once to x's dtype."""
+    x32 = x.float()
+    return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    q_norm_weight: Optional[torch.Tensor] = None,
+    k_norm_weight: Optional[torch.Tensor] = None,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """Decode's step between the qkv projection and attention, one token per row.
+
+    qkv: (n, (heads + 2 * kv_heads) * head_dim), q then k then v; row i belongs to cache slot i
+    and sits at positions[i]. cos/sin tables: float32 (max_positions, head_dim). Caches: one
+    layer's (slots, kv_heads, capacity, head_dim). With norm weights (Qwen3), q and k are
+    RMS-normalized per head before the rotation. Writes rotated k and v into the caches at each
+    row's position; returns rotated q (n, heads, head_dim).
+    """
+    n = qkv.shape[0]
+    kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
+    heads = qkv.shape[1] // head_dim - 2 * kv_heads
+    q, k, v = qkv.view(n, -1, head_dim).split([heads, kv_heads, kv_heads], dim=1)
+    if q_norm_weight is not None:
+        q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
+    cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # (n, 1, head_dim)
+    slots = torch.arange(n, device=qkv.device)
+    key_cache[slots, :, positions] = apply_rope(k, cos, sin)
+    value_cache[slots, :, positions] = v
+    return apply_rope(q, cos, sin)
