@@ -63,6 +63,10 @@ class RuntimeConfig:
     cpu_threads: Optional[int] = option(None, "PyTorch engine on cpu: torch intra-op threads; null: all cores "
                                               "but one (the event loop and llguidance need one). Env "
                                               "LLGTRT_CPU_THREADS.")
+    prefill_chunk_tokens: Optional[int] = option(None, "PyTorch engine: prompt tokens prefilled per engine step; a "
+                                                       "longer prompt is prefilled a chunk per step while running "
+                                                       "sequences keep decoding. null or 0: whole prompts in one "
+                                                       "step. Env LLGTRT_PREFILL_CHUNK_TOKENS.")
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "LLGTRT_MAX_MODEL_LEN": ("runtime", "max_model_len"),
     "LLGTRT_DEVICE": ("runtime", "device"),
     "LLGTRT_CPU_THREADS": ("runtime", "cpu_threads"),
+    "LLGTRT_PREFILL_CHUNK_TOKENS": ("runtime", "prefill_chunk_tokens"),
     "LLGTRT_API_KEY": ("server", "api_key"),
 }
 

@@ -59,14 +59,16 @@ Result = tuple[list[int], Optional[str], Optional[list[TokenLogprob]]]
 
 
 def run_engine(stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer, fast_forward: bool,
-               specs: list[tuple[str, bool, SamplingParams]]) -> tuple[list[Result], int]:
+               specs: list[tuple[str, bool, SamplingParams]], prefill_chunk_tokens: Optional[int] = None
+               ) -> tuple[list[Result], int]:
     """Run requests (prompt question, constrained?, sampling) concurrently on a fresh engine;
     return each one's tokens, finish reason and logprobs, and the steps the engine took."""
 
     async def generate() -> tuple[list[Result], int]:
         compiler = GrammarCompiler(ll_tokenizer)
         engine = TorchEngine(stored_model_dir, TorchEngineConfig(device="cpu", max_batch_size=4,
-                                                                 fast_forward=fast_forward),
+                                                                 fast_forward=fast_forward,
+                                                                 prefill_chunk_tokens=prefill_chunk_tokens),
                              MaskPostProcessor(ll_tokenizer, max_batch_size=4))
         await engine.start()
         try:
@@ -121,6 +123,20 @@ def test_same_greedy_output_in_fewer_steps(stored_model_dir: Path, ll_tokenizer,
     assert reason == "stop"
     jsonschema.validate(json.loads(tokenizer.decode(tokens)), SCHEMA)
     assert fast_steps < plain_steps and plain_steps == len(tokens) + 1  # + the step that samples EOS
+
+
+def test_chunked_prompts_fast_forward_to_the_same_output(stored_model_dir: Path, ll_tokenizer,
+                                                         tokenizer: Tokenizer) -> None:
+    """Prompts prefilled 8 tokens a step: the forced `{"name` rides on the last chunk, and the
+    constrained and unconstrained outputs (with processed logprobs) are those of whole prompts."""
+    specs = [("Describe a person as JSON.", True, greedy(tokenizer, logprobs=1, logprobs_mode="processed_logprobs")),
+             ("Write one sentence about the sea.", False, greedy(tokenizer, max_tokens=12))]
+    whole, _ = run_engine(stored_model_dir, ll_tokenizer, tokenizer, True, specs)
+    chunked, _ = run_engine(stored_model_dir, ll_tokenizer, tokenizer, True, specs, prefill_chunk_tokens=8)
+    assert [(tokens, reason) for tokens, reason, _ in chunked] == [(tokens, reason) for tokens, reason, _ in whole]
+    assert [lp.top[0][0] for lp in chunked[0][2]] == [lp.top[0][0] for lp in whole[0][2]]
+    assert chunked[0][1] == "stop"
+    jsonschema.validate(json.loads(tokenizer.decode(chunked[0][0])), SCHEMA)
 
 
 def test_forced_runs_stop_at_max_tokens(stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer) -> None:

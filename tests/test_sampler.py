@@ -1,8 +1,8 @@
 """The batched sampler against a straightforward per-request reference, on random logits.
 
 Every row of a batch has its own settings; each step the batched sampler must pick, for every
-row, the token the one-request-at-a-time reference below picks with the same generator, and
-report the same logprobs.
+row, the token the one-request-at-a-time reference below picks with the same generator (or, for
+a temperature-only row, the fused kernel's seed), and report the same logprobs.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from llgtrt_core.engine.interface import SamplingParams
-from llgtrt_core.engine.sampler import BatchSampler
+from llgtrt_core.engine.sampler import BatchSampler, fused_seed_base, uses_fused_sampling
+from llgtrt_core.kernels.sampling import sample_with_bitmask_torch
 
 VOCAB = 64
 NEG_INF = float("-inf")
@@ -66,7 +67,10 @@ def reference_step(logits: torch.Tensor, raw: torch.Tensor, p: SamplingParams, p
     """(token, the logprobs the request reports)."""
     adjusted = reference_adjusted(logits, p, prompt, generated)
     filtered = reference_filtered(adjusted, p)
-    if p.greedy:
+    if uses_fused_sampling(p):  # Gumbel-max keyed by the request's seed and its position
+        seed = torch.tensor([fused_seed_base(generator.initial_seed()) + len(generated)])
+        token = int(sample_with_bitmask_torch(logits[None], torch.tensor([p.temperature]), seed, None, None))
+    elif p.greedy:
         token = int(adjusted.argmax())
     else:
         noise = torch.empty(VOCAB).exponential_(generator=generator)
@@ -80,6 +84,9 @@ def reference_step(logits: torch.Tensor, raw: torch.Tensor, p: SamplingParams, p
 
 def random_params(rng: random.Random) -> SamplingParams:
     greedy = rng.random() < 0.3
+    if rng.random() < 0.3:  # temperature only: the fused path
+        return SamplingParams(max_tokens=100, temperature=0.0 if greedy else rng.choice([0.5, 1.0, 1.5]),
+                              stop_token_ids=frozenset({0, 1}), seed=rng.randrange(2**31))
     return SamplingParams(
         max_tokens=100,
         temperature=0.0 if greedy else rng.choice([0.5, 1.0, 1.5]),
@@ -141,7 +148,7 @@ def test_batched_sampler_matches_per_request_reference(seed: int) -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
     requests = [Request(random_params(rng), [rng.randrange(VOCAB) for _ in range(8)]) for _ in range(6)]
-    sampler = BatchSampler(8, VOCAB, torch.device("cpu"))
+    sampler = BatchSampler(8, VOCAB, torch.device("cpu"), fused=True)
     for row, request in enumerate(requests):
         admit(sampler, row, request)
     for _ in range(6):
@@ -151,7 +158,7 @@ def test_batched_sampler_matches_per_request_reference(seed: int) -> None:
 def test_rows_keep_their_state_when_the_batch_changes() -> None:
     """Requests leave (the last row moves into the hole) and join; each keeps its own counts and seed."""
     rng = random.Random(7)
-    sampler = BatchSampler(4, VOCAB, torch.device("cpu"))
+    sampler = BatchSampler(4, VOCAB, torch.device("cpu"), fused=True)
     penalized = dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.2)
     requests = [Request(SamplingParams(max_tokens=50, temperature=1.0, seed=i, logprobs=1, **penalized),
                         [rng.randrange(VOCAB) for _ in range(5)]) for i in range(3)]
@@ -173,7 +180,7 @@ def test_a_seeded_request_samples_the_same_alone_and_in_a_batch() -> None:
     logits = torch.randn(5, 4, VOCAB)  # steps x rows x vocab; the request sits in row 2
 
     def tokens(rows: list[int]) -> list[int]:
-        sampler = BatchSampler(4, VOCAB, torch.device("cpu"))
+        sampler = BatchSampler(4, VOCAB, torch.device("cpu"), fused=True)
         for row in range(len(rows)):
             other = SamplingParams(max_tokens=10, temperature=0.9, top_k=3, seed=row)
             sampler.add(row, params if rows[row] == 2 else other, [3, 4], torch.Generator().manual_seed(
@@ -189,7 +196,7 @@ def test_the_constraint_mask_beats_logit_bias_and_penalties() -> None:
     forbidden = 7
     mask = torch.ones(2, VOCAB, dtype=torch.bool)
     mask[:, forbidden] = False
-    sampler = BatchSampler(2, VOCAB, torch.device("cpu"))
+    sampler = BatchSampler(2, VOCAB, torch.device("cpu"), fused=True)
     pushy = dict(logit_bias={forbidden: 100.0}, frequency_penalty=-2.0, presence_penalty=-2.0,
                  repetition_penalty=0.5, logprobs=2)
     requests = [Request(SamplingParams(max_tokens=9, temperature=0.0, seed=0, **pushy), [forbidden]),
@@ -203,7 +210,7 @@ def test_the_constraint_mask_beats_logit_bias_and_penalties() -> None:
 
 
 def test_logit_bias_forces_and_bans_tokens() -> None:
-    sampler = BatchSampler(2, VOCAB, torch.device("cpu"))
+    sampler = BatchSampler(2, VOCAB, torch.device("cpu"), fused=True)
     sampler.add(0, SamplingParams(max_tokens=5, temperature=1.0, logit_bias={11: 100.0}, seed=0), [1],
                 torch.Generator().manual_seed(0))
     sampler.add(1, SamplingParams(max_tokens=5, temperature=0.0, logit_bias={11: -100.0}, seed=0), [1],
@@ -215,7 +222,7 @@ def test_logit_bias_forces_and_bans_tokens() -> None:
 
 
 def test_min_tokens_holds_stop_tokens_back_but_never_empties_a_row() -> None:
-    sampler = BatchSampler(2, VOCAB, torch.device("cpu"))
+    sampler = BatchSampler(2, VOCAB, torch.device("cpu"), fused=True)
     params = SamplingParams(max_tokens=9, temperature=0.0, min_tokens=2, stop_token_ids=frozenset({3}))
     for row in range(2):
         sampler.add(row, params, [1], torch.Generator())
@@ -231,7 +238,7 @@ def test_min_tokens_holds_stop_tokens_back_but_never_empties_a_row() -> None:
 
 def test_state_made_inside_a_step_moves_outside_one() -> None:
     """The engine admits inside inference mode and may move rows outside it (an abort)."""
-    sampler = BatchSampler(2, VOCAB, torch.device("cpu"))
+    sampler = BatchSampler(2, VOCAB, torch.device("cpu"), fused=True)
     params = SamplingParams(max_tokens=5, temperature=0.0, frequency_penalty=1.0, logit_bias={4: 1.0}, min_tokens=1,
                             repetition_penalty=1.1, stop_token_ids=frozenset({0}))
     with torch.inference_mode():
@@ -240,3 +247,71 @@ def test_state_made_inside_a_step_moves_outside_one() -> None:
         sampler.sample(torch.randn(2, VOCAB))
     sampler.move(1, 0)
     assert len(sampler.sample(torch.randn(1, VOCAB)).token_ids) == 1
+
+
+# --------------------------------------------------------------------------- fused path
+
+
+def random_masks(rows: list[int], generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed int32 masks for `rows` allowing about half the tokens each, and the row indices."""
+    allowed = torch.rand(len(rows), VOCAB, generator=generator) < 0.5
+    allowed[:, 0] = True  # never an empty row
+    bits = allowed.view(len(rows), VOCAB // 32, 32).long() << torch.arange(32)
+    words = bits.sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).int(), torch.tensor(rows)
+
+
+def unpacked(masks: tuple[torch.Tensor, torch.Tensor], batch: int) -> torch.Tensor:
+    """(batch, VOCAB) bool: True = allowed; unlisted rows allow everything."""
+    bitmask, rows = masks
+    allowed = torch.ones(batch, VOCAB, dtype=torch.bool)
+    allowed[rows] = ((bitmask.long()[:, :, None] >> torch.arange(32)) & 1).bool().view(len(rows), VOCAB)
+    return allowed
+
+
+def test_fused_and_general_paths_pick_the_same_greedy_tokens() -> None:
+    """Greedy rows without logprobs take the fused kernel, with logprobs=0 the general path; under
+    the same masks they pick the same tokens, and the fused-only batch leaves the logits unwritten."""
+    generator = torch.Generator().manual_seed(3)
+    fused, general = BatchSampler(4, VOCAB, torch.device("cpu"), fused=True), BatchSampler(4, VOCAB, torch.device("cpu"), fused=True)
+    for row in range(4):
+        fused.add(row, SamplingParams(max_tokens=9, temperature=0.0), [1], torch.Generator())
+        general.add(row, SamplingParams(max_tokens=9, temperature=0.0, logprobs=0), [1], torch.Generator())
+    for _ in range(4):
+        logits = torch.randn(4, VOCAB, generator=generator)
+        masks = random_masks([0, 2, 3], generator)
+        before = logits.clone()
+        tokens = fused.sample(logits, masks=masks).token_ids
+        assert torch.equal(logits, before)
+        assert tokens == general.sample(logits.clone(), masks=masks).token_ids
+        assert tokens == logits.masked_fill(~unpacked(masks, 4), NEG_INF).argmax(-1).tolist()
+
+
+def test_a_seeded_temperature_request_ignores_its_neighbours_and_its_mask_holds() -> None:
+    """A fused-path request (temperature and seed only) draws the same tokens alone and beside a
+    general-path top_p request, whose mask is then applied in place; every token is allowed."""
+    params = SamplingParams(max_tokens=10, temperature=0.8, seed=77)
+    neighbour = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.5, seed=1)
+    generator = torch.Generator().manual_seed(5)
+    steps = [(torch.randn(2, VOCAB, generator=generator), random_masks([0, 1], generator)) for _ in range(6)]
+
+    def run(with_neighbour: bool) -> tuple[list[int], list[int]]:
+        sampler = BatchSampler(2, VOCAB, torch.device("cpu"), fused=True)
+        sampler.add(0, params, [1], torch.Generator().manual_seed(params.seed))
+        if with_neighbour:
+            sampler.add(1, neighbour, [1], torch.Generator().manual_seed(neighbour.seed))
+        mine, theirs = [], []
+        for logits, (bitmask, rows) in steps:
+            n = 2 if with_neighbour else 1
+            tokens = sampler.sample(logits[:n].clone(), masks=(bitmask[:n], rows[:n])).token_ids
+            mine.append(tokens[0])
+            theirs += tokens[1:]
+        return mine, theirs
+
+    alone, _ = run(False)
+    together, neighbour_tokens = run(True)
+    assert alone == together
+    assert len(set(alone)) > 1  # really sampled, not a constant
+    for (logits, masks), mine, theirs in zip(steps, together, neighbour_tokens):
+        allowed = unpacked(masks, 2)
+        assert allowed[0, mine] and allowed[1, theirs]

@@ -65,7 +65,7 @@ def run(engine: TorchEngine, request: GenerationRequest) -> tuple[list[int], str
 @pytest.fixture(scope="module")
 def engine_factory(stored_model_dir: Path):
     def make(**config) -> TorchEngine:
-        return TorchEngine(stored_model_dir, TorchEngineConfig(device="cpu", **config))
+        return TorchEngine(stored_model_dir, TorchEngineConfig(**{"device": "cpu", **config}))
 
     return make
 
@@ -142,3 +142,141 @@ def test_rejects_prompts_that_do_not_fit(engine_factory) -> None:
 
     tokens, reason = asyncio.run(scenario())
     assert reason == "length" and len(tokens) == 4  # the context (64) ends it before max_tokens
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_chunked_prefill_matches_whole_prompts_while_others_stream(engine_factory, tokenizer, device: str) -> None:
+    """Prompts prefilled 16 tokens a step give the greedy tokens (and prompt logprobs) of whole-
+    prompt prefill. The short request ends while the next prompt is mid-prefill, which then moves
+    down a slot; the long prompt is prefilled over 8 steps while another request streams (on
+    CUDA: decoding eagerly, then under graphs again once it joined)."""
+    specs = [
+        ("a", chat_prompt(tokenizer, "Count to five."), 2, None),
+        ("b", chat_prompt(tokenizer, "Write a haiku about the sea."), 24, 2),
+        ("c", list(range(300, 428)), 6, None),
+    ]
+    requests = [GenerationRequest(name, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                               stop_token_ids=EOS, prompt_logprobs=top))
+                for name, prompt, max_tokens, top in specs]
+
+    async def scenario(chunk: int) -> tuple[list, list[str]]:
+        engine = engine_factory(max_batch_size=3, prefill_chunk_tokens=chunk, device=device, dtype="float32")
+        await engine.start()
+        arrivals: list[str] = []  # which request each delta went to, in order
+
+        async def collect(request: GenerationRequest) -> tuple[list[int], str, list]:
+            tokens, reason, prompt_logprobs = [], None, None
+            async for delta in engine.generate(request):
+                arrivals.append(request.request_id)
+                tokens += delta.token_ids
+                reason = delta.finish_reason
+                prompt_logprobs = prompt_logprobs or delta.prompt_logprobs
+            return tokens, reason, prompt_logprobs
+
+        try:
+            return list(await asyncio.gather(*(collect(r) for r in requests))), arrivals
+        finally:
+            await engine.shutdown()
+
+    chunked, arrivals = asyncio.run(scenario(16))
+    whole, _ = asyncio.run(scenario(0))
+    assert [(tokens, reason) for tokens, reason, _ in chunked] == [(tokens, reason) for tokens, reason, _ in whole]
+    assert [len(t) for t, _, _ in chunked] == [2, 24, 6]
+    chunked_scores, whole_scores = chunked[1][2], whole[1][2]
+    assert len(chunked_scores) == len(specs[1][1]) and chunked_scores[0] is None
+    for got, expected in zip(chunked_scores[1:], whole_scores[1:]):
+        assert got.logprob == pytest.approx(expected.logprob, abs=1e-3)
+        assert [t for t, _ in got.top] == [t for t, _ in expected.top]
+    # "b" streamed while "c" (128 tokens: 8 chunks) was prefilled behind it.
+    assert arrivals[:arrivals.index("c")].count("b") >= 5
+
+
+def test_abort_mid_prefill_frees_the_slot(engine_factory, tokenizer) -> None:
+    async def scenario():
+        engine = engine_factory(max_batch_size=1, prefill_chunk_tokens=4)
+        await engine.start()
+        try:
+            long = GenerationRequest("long", list(range(300, 1300)), SamplingParams(max_tokens=400, temperature=0.0))
+            deltas = []
+
+            async def consume() -> None:
+                async for delta in engine.generate(long):
+                    deltas.append(delta)
+
+            task = asyncio.create_task(consume())
+            while engine.num_steps < 3:  # a few of its 250 chunks have run
+                await asyncio.sleep(0.005)
+            task.cancel()  # the consumer goes away mid-prefill: the engine must abort it
+            aborted_at = engine.num_steps
+            short = GenerationRequest("short", chat_prompt(tokenizer, "Name a color."),
+                                      SamplingParams(max_tokens=3, temperature=0.0))
+            first = await asyncio.wait_for(run(engine, short), timeout=60)  # one slot: only if it was freed
+            again = await run(engine, short)
+            return deltas, aborted_at, engine.num_steps, first, again, engine.num_active
+        finally:
+            await engine.shutdown()
+
+    deltas, aborted_at, steps, first, again, active = asyncio.run(scenario())
+    assert deltas == [] and aborted_at < 250
+    assert steps < aborted_at + 50  # the short request did not wait for the long prompt's chunks
+    assert first == again and first[1] == "length" and active == 0
+
+
+class NotAGrammar:
+    """A constraint the mask post-processor cannot fill (it has no llguidance matcher)."""
+
+    error = None
+
+
+def test_a_failing_mask_fill_ends_only_its_rows(stored_model_dir: Path, tokenizer) -> None:
+    from llguidance import LLTokenizer
+
+    from llgtrt_core.constraints.postprocessor import MaskPostProcessor
+
+    async def scenario():
+        engine = TorchEngine(stored_model_dir, TorchEngineConfig(device="cpu", max_batch_size=2, fast_forward=False),
+                             MaskPostProcessor(LLTokenizer("byte"), max_batch_size=2))
+        await engine.start()
+        try:
+            plain = GenerationRequest("plain", chat_prompt(tokenizer, "Name a color."),
+                                      SamplingParams(max_tokens=6, temperature=0.0))
+            broken = GenerationRequest("broken", chat_prompt(tokenizer, "Count to five."),
+                                       SamplingParams(max_tokens=6, temperature=0.0), NotAGrammar())
+            together = await asyncio.gather(run(engine, plain), run(engine, broken))
+            return together, await run(engine, plain)
+        finally:
+            await engine.shutdown()
+
+    (plain, broken), alone = asyncio.run(scenario())
+    assert broken == ([], "error")
+    assert plain == alone and plain[1] == "length" and len(plain[0]) == 6
+
+
+def test_a_consumer_that_falls_behind_gets_its_backlog_in_one_delta(engine_factory, tokenizer) -> None:
+    """Deltas waiting in the queue are merged (the HTTP layer then sends one chunk for them): the same
+    tokens as a consumer that keeps up, in fewer deltas, the finish reason on the last."""
+    request = GenerationRequest("lag", chat_prompt(tokenizer, "Count from one to ten."),
+                                SamplingParams(max_tokens=12, temperature=0.0))
+
+    async def scenario() -> tuple[list[list[int]], list[list[int]], list]:
+        engine = engine_factory(max_batch_size=1)
+        await engine.start()
+        try:
+            kept_up = [delta.token_ids async for delta in engine.generate(request)]
+            lagging, reasons = [], []
+            async for delta in engine.generate(GenerationRequest("lag2", request.prompt_token_ids,
+                                                                 request.sampling)):
+                await asyncio.sleep(0.4 if not lagging else 0)  # the engine runs ahead meanwhile
+                lagging.append(delta.token_ids)
+                reasons.append(delta.finish_reason)
+            return kept_up, lagging, reasons
+        finally:
+            await engine.shutdown()
+
+    kept_up, lagging, reasons = asyncio.run(scenario())
+    assert sum(lagging, []) == sum(kept_up, [])
+    assert len(sum(kept_up, [])) == 12
+    assert len(lagging) < len(kept_up)
+    assert any(len(tokens) > 1 for tokens in lagging)
+    assert reasons[-1] == "length" and all(reason is None for reason in reasons[:-1])

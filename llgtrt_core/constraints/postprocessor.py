@@ -4,7 +4,9 @@ Per step: commit each row's newest token to its matcher, compute every mask in p
 without the GIL (llguidance's rayon executor) into one preallocated int32 buffer (pinned when
 CUDA is present), copy it to the device once, asynchronously, and mask the logits there with
 `llgtrt_core.kernels`. `fill` and `apply` are separate so an engine can fill the masks while
-its forward pass runs and apply them once the logits exist (the TensorRT-LLM adapter does).
+its forward pass runs and apply them once the logits exist (the TensorRT-LLM adapter does);
+`apply` is `upload` then the kernel, and an engine that masks while it samples (the PyTorch
+engine's fused sampling) takes the uploaded masks from `upload` alone.
 An engine that can append several tokens in one forward pass (the PyTorch engine) instead
 commits each sampled token through `commit_with_forced`, which also returns the tokens the
 grammar forces next, committed too, for it to feed without sampling.
@@ -78,22 +80,35 @@ class MaskPostProcessor:
         stream: Optional[torch.cuda.Stream] = None,
     ) -> None:
         """Mask `logits` rows in place with the masks `fill` returned, on `stream` when on CUDA."""
-        count = len(rows)
-        row_ids = [row.row for row in rows]
-        if not logits.is_cuda:
-            whole_batch = count == logits.shape[0] and row_ids == list(range(count))
-            apply_token_bitmask_inplace(logits, masks, None if whole_batch else row_ids)
+        if not logits.is_cuda and len(rows) == logits.shape[0] and all(row.row == j for j, row in enumerate(rows)):
+            apply_token_bitmask_inplace(logits, masks)  # the whole batch: no row indirection
             return
+        device_masks, device_rows = self.upload(rows, masks, logits.device, stream)
+        apply_token_bitmask_inplace(logits, device_masks, device_rows, stream=stream)
+
+    def upload(
+        self,
+        rows: Sequence[ConstrainedRow],
+        masks: torch.Tensor,
+        device: torch.device,
+        stream: Optional[torch.cuda.Stream] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The masks `fill` returned and their logits row indices, on `device`: one asynchronous
+        copy each on CUDA (on `stream`), the host masks themselves on CPU. Valid until the next `fill`."""
+        row_ids = torch.tensor([row.row for row in rows], dtype=torch.int64)
+        if device.type != "cuda":
+            return masks, row_ids
+        count = len(rows)
         indices = self._host_rows[:count]
-        indices.copy_(torch.tensor(row_ids, dtype=torch.int64))
-        stream = stream or torch.cuda.current_stream(logits.device)
-        device_masks, device_rows = self._device_buffers(logits.device, count)
+        indices.copy_(row_ids)
+        stream = stream or torch.cuda.current_stream(device)
+        device_masks, device_rows = self._device_buffers(device, count)
         with torch.cuda.stream(stream):
             device_masks.copy_(masks, non_blocking=True)
             device_rows.copy_(indices, non_blocking=True)
-            apply_token_bitmask_inplace(logits, device_masks, device_rows, stream=stream)
             self._copy_done = torch.cuda.Event()
             self._copy_done.record(stream)
+        return device_masks, device_rows
 
     def commit_with_forced(self, constraint: Constraint, token: Optional[int], limit: int,
                            stop_token_ids: frozenset[int] = frozenset()) -> list[int]:

@@ -23,7 +23,8 @@ def create_engine(
         from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig
 
         config = TorchEngineConfig(max_batch_size=runtime.max_batch_size, max_model_len=runtime.max_model_len,
-                                   device=runtime.device, dtype=runtime.dtype, cpu_threads=runtime.cpu_threads)
+                                   device=runtime.device, dtype=runtime.dtype, cpu_threads=runtime.cpu_threads,
+                                   prefill_chunk_tokens=runtime.prefill_chunk_tokens)
         return TorchEngine(model_dir, config, post_processor)
     if kind in TENSORRT_LLM_KINDS:
         from llgtrt_core.engine.trtllm_engine import TrtLlmEngine, config_for_stored_model

@@ -86,6 +86,24 @@ class LogitsPostProcessor(Protocol):
 
 
 @runtime_checkable
+class StagedPostProcessor(Protocol):
+    """A post-processor in two halves, so an engine can overlap and fuse them: `fill` (commit the
+    new tokens, compute the masks on the host; no logits needed, so it runs while the forward pass
+    does) and `upload` (the masks and their logits rows on the device, ready for a kernel that
+    masks while it samples). `__call__` stays fill, upload and mask in place, in one call.
+    """
+
+    def fill(self, rows: Sequence[ConstrainedRow]) -> torch.Tensor:
+        """Host (len(rows), words) int32 masks, row j for rows[j]; valid until the next `fill`."""
+        ...
+
+    def upload(self, rows: Sequence[ConstrainedRow], masks: torch.Tensor, device: torch.device,
+               stream: Optional[torch.cuda.Stream] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(masks, int64 logits row indices) on `device`, enqueued on `stream` on CUDA."""
+        ...
+
+
+@runtime_checkable
 class FastForwarder(Protocol):
     """A post-processor that can also hand out the tokens a grammar forces (fast-forward).
 
@@ -130,6 +148,16 @@ class TokenDelta:
     logprobs: Optional[list[TokenLogprob]] = None
     # On the first delta when SamplingParams.prompt_logprobs is set: one per prompt token, None first.
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+
+    def then(self, later: "TokenDelta") -> "TokenDelta":
+        """This delta followed by `later`, as one: a consumer that fell behind takes its backlog in one
+        chunk instead of paying the per-chunk cost (detokenize, serialize, send) once per token."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = [*(self.logprobs or ()), *(later.logprobs or ())]
+        prompt_logprobs = self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
+        return TokenDelta(self.token_ids + later.token_ids, later.finish_reason, later.error, logprobs,
+                          prompt_logprobs)
 
 
 class EngineError(Exception):

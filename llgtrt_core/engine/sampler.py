@@ -6,14 +6,23 @@ is admitted, and the token counts the penalties need, updated on the device afte
 step therefore applies every request's own settings in a few batched tensor ops, with no host
 copy of parameters; the host only reads back the sampled tokens (and logprobs, when asked), once.
 
-Pipeline of one row (docs/sampling.md): the constraint mask is already in the logits, then
-min_tokens (stop tokens masked), logit_bias, repetition / frequency / presence penalties,
-temperature, min_p, top_k, top_p, the draw. A masked token is -inf and every later step keeps it
--inf (-inf + bias, -inf * penalty), so no control can bring back a token the constraint forbids.
+Pipeline of one row (docs/sampling.md): the constraint mask (given to `sample`, or already in
+the logits), then min_tokens (stop tokens masked), logit_bias, repetition / frequency /
+presence penalties, temperature, min_p, top_k, top_p, the draw. A masked token is -inf and
+every later step keeps it -inf (-inf + bias, -inf * penalty), so no control can bring back a
+token the constraint forbids.
 
-Each row draws its randomness from its own generator, so a seeded request samples the same
-tokens whatever else shares its batch. Sampling uses the exponential race
-(argmax of p / Exp(1)), equivalent to a categorical draw and free of a cumulative-sum search.
+Two paths, chosen per row by the request's settings alone (on CUDA; CPU engines take the
+general one). A row that needs only temperature
+(greedy included: no top-k/top-p/min-p, penalties, logit_bias, min_tokens or logprobs) is
+sampled by the fused kernel (`kernels.sampling.sample_with_bitmask`): mask, temperature and an
+exact Gumbel-max draw in one read of the logits, which it never writes; its noise comes from a
+hash of (the row's 64-bit key + tokens generated so far, token id), the key derived from the
+request's seed (`fused_seed_base`). Every other row takes the general path above, its mask
+applied in place first, and draws with the exponential race (argmax of p / Exp(1), a categorical
+draw free of a cumulative-sum search) from its own generator. Either way a row's token depends
+on its own logits, settings and seed only, so a seeded request samples the same tokens whatever
+else shares its batch.
 """
 
 from __future__ import annotations
@@ -25,6 +34,12 @@ from typing import Optional, Sequence
 import torch
 
 from llgtrt_core.engine.interface import SamplingParams, TokenLogprob
+from llgtrt_core.kernels import apply_token_bitmask_inplace, cuda_kernel_available
+from llgtrt_core.kernels.sampling import sample_with_bitmask
+
+# The constraint masks of a step on the logits' device: (N, words) int32 and the N logits rows.
+DeviceMasks = tuple[torch.Tensor, torch.Tensor]
+_MASK64 = (1 << 64) - 1
 
 
 class _Col(enum.IntEnum):
@@ -39,9 +54,10 @@ class _Col(enum.IntEnum):
     REPETITION = 6
     MIN_TOKENS = 7
     RAW_LOGPROBS = 8  # 1: report the raw distribution, 0: the processed one
+    FUSED = 9  # 1: sampled by the fused kernel
 
 
-def _table_row(params: SamplingParams) -> list[float]:
+def _table_row(params: SamplingParams, fused: bool) -> list[float]:
     row = [0.0] * len(_Col)
     row[_Col.TEMPERATURE] = params.temperature
     row[_Col.TOP_K] = params.top_k
@@ -52,7 +68,25 @@ def _table_row(params: SamplingParams) -> list[float]:
     row[_Col.REPETITION] = params.repetition_penalty
     row[_Col.MIN_TOKENS] = params.min_tokens
     row[_Col.RAW_LOGPROBS] = float(params.logprobs_mode == "raw_logprobs")
+    row[_Col.FUSED] = float(fused)
     return row
+
+
+def uses_fused_sampling(params: SamplingParams) -> bool:
+    """Temperature is the only control the request uses (greedy included)."""
+    return (params.top_k == 0 and params.top_p == 1.0 and params.min_p == 0.0 and not _uses_penalties(params)
+            and not params.logit_bias and params.min_tokens == 0 and params.logprobs is None)
+
+
+def fused_seed_base(seed: int) -> int:
+    """A request's 64-bit noise key for the fused kernel: splitmix64 of its generator's seed, so
+    seeds s and s + 1 (two choices of one request) get unrelated keys and their per-step seeds
+    (key + tokens generated) never coincide. Returned as a signed int64."""
+    z = (seed + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return z - (1 << 64) if z >= 1 << 63 else z
 
 
 def _uses_penalties(params: SamplingParams) -> bool:
@@ -108,13 +142,19 @@ class SampleOutput:
 class BatchSampler:
     """Sampling state of up to `max_rows` running sequences; row i samples logits row i."""
 
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, fused: Optional[bool] = None):
+        """fused: route temperature-only rows to the fused kernel; by default where its CUDA
+        build runs. Its torch twin (CPU) hashes noise for every token, slower than the general
+        path's draw there, so CPU engines leave it off (tests turn it on to check the routing)."""
         self.vocab_size = vocab_size
         self.device = device
+        self.fused = device.type == "cuda" and cuda_kernel_available() if fused is None else fused
         self._table = torch.zeros(max_rows, len(_Col), device=device)
         self._generated = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self._seed_base = torch.zeros(max_rows, dtype=torch.int64, device=device)  # fused rows' noise keys
         self._params: list[Optional[SamplingParams]] = [None] * max_rows
         self._generators: list[Optional[torch.Generator]] = [None] * max_rows
+        self._fused: list[bool] = [False] * max_rows  # uses_fused_sampling of the row's params
         # (max_rows, vocab) state, allocated when a request first needs it.
         self._output_counts: Optional[torch.Tensor] = None  # int32: times each token was generated
         self._prompt_tokens: Optional[torch.Tensor] = None  # bool: token is in the prompt
@@ -132,8 +172,10 @@ class BatchSampler:
         prompt / bias / stop-token rows when it uses penalties, logit_bias or min_tokens."""
         self._params[row] = params
         self._generators[row] = generator
-        self._table[row].copy_(torch.tensor(_table_row(params)))
+        self._fused[row] = self.fused and uses_fused_sampling(params)
+        self._table[row].copy_(torch.tensor(_table_row(params, self._fused[row])))
         self._generated[row] = 0
+        self._seed_base[row] = fused_seed_base(generator.initial_seed())
         if _uses_penalties(params) or self._output_counts is not None:
             self._output_counts = self._allocated(self._output_counts, torch.int32)
             self._output_counts[row].zero_()
@@ -153,9 +195,10 @@ class BatchSampler:
     def move(self, src: int, dst: int) -> None:
         """Row `src` now lives in row `dst` (a device copy; the batch stays dense)."""
         self._params[dst], self._generators[dst] = self._params[src], self._generators[src]
+        self._fused[dst] = self._fused[src]
         self._params[src] = self._generators[src] = None
-        for state in (self._table, self._generated, self._output_counts, self._prompt_tokens, self._bias,
-                      self._stop_tokens):
+        for state in (self._table, self._generated, self._seed_base, self._output_counts, self._prompt_tokens,
+                      self._bias, self._stop_tokens):
             if state is not None:
                 state[dst] = state[src]
 
@@ -193,33 +236,60 @@ class BatchSampler:
         return logits.float().log_softmax(dim=-1)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, raw_logprobs: Optional[torch.Tensor] = None) -> SampleOutput:
-        """logits: (n, vocab) float32 of rows 0..n-1, already constrained. Draws one token per row.
+    def sample(self, logits: torch.Tensor, raw_logprobs: Optional[torch.Tensor] = None,
+               masks: Optional[DeviceMasks] = None) -> SampleOutput:
+        """logits: (n, vocab) float32 of rows 0..n-1. Draws one token per row.
 
-        raw_logprobs: what `raw_logprobs` returned before the constraint mask; without it, the
-        logits given here count as the raw ones.
+        masks: the constraint masks, not yet applied (on the logits' device); without them the
+        logits count as constrained already. raw_logprobs: what `raw_logprobs` returned before a
+        constraint mask was applied; without it, the logits given here count as the raw ones.
         """
         n = logits.shape[0]
         if raw_logprobs is None:
             raw_logprobs = self.raw_logprobs(logits)
         params: list[SamplingParams] = self._params[:n]  # type: ignore[assignment]
-        table = self._table[:n]
+        fused = self._fused[:n]
+        if all(fused):  # the common case: one kernel, the logits only read
+            tokens = self._sample_fused(logits, masks)
+            output = SampleOutput(tokens.tolist(), [None] * n)
+        else:
+            if masks is not None:
+                # Fused rows are masked too; their draw is unchanged (the kernel skips the same tokens).
+                apply_token_bitmask_inplace(logits, *masks)
+            tokens, processed_scores = self._sample_general(logits, params, fused)
+            if any(fused):
+                fused_rows = self._table[:n, _Col.FUSED].bool()
+                tokens = torch.where(fused_rows, self._sample_fused(logits, None), tokens)
+            output = self._read_back(params, tokens, raw_logprobs, processed_scores)
+        self._record(tokens)
+        return output
+
+    def _sample_fused(self, logits: torch.Tensor, masks: Optional[DeviceMasks]) -> torch.Tensor:
+        """Mask + temperature + draw in one pass; each row's seed is its key + tokens generated so far."""
+        n = logits.shape[0]
+        seeds = self._seed_base[:n] + self._generated[:n]
+        bitmask, rows = masks if masks is not None else (None, None)
+        temperature = self._table[:n, _Col.TEMPERATURE].contiguous()  # a column: the kernel wants it packed
+        return sample_with_bitmask(logits, temperature, seeds, bitmask, rows)
+
+    def _sample_general(self, logits: torch.Tensor, params: Sequence[SamplingParams], fused: Sequence[bool]
+                        ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Every control, sort-based cuts, per-row generators: (tokens, the processed scores when a
+        row reports processed logprobs). Fused rows' tokens are placeholders."""
+        table = self._table[: len(params)]
         scores = self._adjusted(logits, params)
         greedy_tokens = scores.argmax(dim=-1)
         wants_processed = any(p.logprobs is not None and p.logprobs_mode == "processed_logprobs" for p in params)
-        if all(p.greedy for p in params) and not wants_processed:
-            tokens = greedy_tokens
-        else:
-            temperature = table[:, _Col.TEMPERATURE]
-            scores = scores / torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
-            if any(p.min_p > 0 for p in params):
-                scores = apply_min_p(scores, table[:, _Col.MIN_P])
-            if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-                scores = apply_top_k_top_p(scores, table[:, _Col.TOP_K].long(), table[:, _Col.TOP_P])
-            tokens = torch.where(temperature > 0, self._draw(scores, params), greedy_tokens)
-        output = self._read_back(params, tokens, raw_logprobs, scores if wants_processed else None)
-        self._record(tokens)
-        return output
+        if all(p.greedy or f for p, f in zip(params, fused)) and not wants_processed:
+            return greedy_tokens, None
+        temperature = table[:, _Col.TEMPERATURE]
+        scores = scores / torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
+        if any(p.min_p > 0 for p in params):
+            scores = apply_min_p(scores, table[:, _Col.MIN_P])
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            scores = apply_top_k_top_p(scores, table[:, _Col.TOP_K].long(), table[:, _Col.TOP_P])
+        drawn = self._draw(scores, [not p.greedy and not f for p, f in zip(params, fused)])
+        return torch.where(temperature > 0, drawn, greedy_tokens), scores if wants_processed else None
 
     def _adjusted(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """min_tokens, logit_bias and penalties: the controls that apply to greedy rows too."""
@@ -247,11 +317,11 @@ class BatchSampler:
         return (scores - counts * table[:, _Col.FREQUENCY].unsqueeze(1)
                 - generated * table[:, _Col.PRESENCE].unsqueeze(1))
 
-    def _draw(self, scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    def _draw(self, scores: torch.Tensor, drawing: Sequence[bool]) -> torch.Tensor:
         probs = scores.softmax(dim=-1)
         noise = torch.ones_like(probs)
-        for row, p in enumerate(params):
-            if not p.greedy:
+        for row, draws in enumerate(drawing):
+            if draws:
                 noise[row].exponential_(generator=self._generators[row])
         # A zero draw would turn a masked (p = 0) token into 0/0 = nan: keep noise positive.
         return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)

@@ -1,12 +1,22 @@
 """The embedded PyTorch engine: continuous batching over a slot KV cache, CPU or CUDA.
 
 One background thread owns the model and runs steps; the event loop only submits, aborts
-and reads deltas. A step decodes one token for every running sequence, prefills the requests
-admitted since the last step, masks every constrained row in one post-processor call, samples,
-and hands each request its token. Finished or aborted sequences leave between steps and the
-last slot moves into the hole, so running sequences always fill slots 0..n-1. When a grammar
-forces a run of tokens after the sampled one (fast-forward), they are emitted with it and fed
-in the next step's forward pass without being sampled (`LlamaForCausalLM.extend`). On CUDA the
+and reads deltas. A step: admit waiting requests, start the constraint post-processor's host
+half (commit last step's tokens, fill every constrained row's mask) on a worker thread, run the
+forward pass meanwhile (decode one token for every running sequence, prefill the admitted
+prompts), join the fill, upload the masks and sample: the fused mask + temperature + draw kernel
+for rows that need nothing more, the general sampler for the others. Each request then gets its
+token. Finished or aborted sequences leave between steps and the last slot moves into the hole,
+so running sequences always fill slots 0..n-1.
+
+With `prefill_chunk_tokens` set, a step prefills at most that many prompt tokens: a longer
+prompt is prefilled a chunk per step (`LlamaForCausalLM.extend` from where the last chunk
+ended) while the running rows keep decoding. That prompt is the only one in progress; it sits
+in slot n (right after the running rows), moves down with them when one leaves, and joins them
+once its last chunk has run.
+
+When a grammar forces a run of tokens after the sampled one (fast-forward), they are emitted
+with it and fed in the next step's forward pass without being sampled (`extend`). On CUDA the
 cache holds the whole context for as many slots as fit, and decode replays CUDA graphs
 (`decode_graphs.py`); the only host sync of a step is reading the sampled tokens.
 """
@@ -15,11 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import queue
+import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Optional
@@ -35,6 +48,7 @@ from llgtrt_core.engine.interface import (
     FinishReason,
     GenerationRequest,
     LogitsPostProcessor,
+    StagedPostProcessor,
     TokenDelta,
     TokenLogprob,
 )
@@ -56,6 +70,7 @@ class TorchEngineConfig:
     cpu_threads: Optional[int] = None  # torch intra-op threads on cpu; default: all cores but one
     cuda_graphs: bool = True  # decode under CUDA graphs (cuda only)
     fast_forward: bool = True  # feed the tokens a grammar forces in one forward pass, unsampled
+    prefill_chunk_tokens: Optional[int] = None  # prompt tokens prefilled per step; None or 0: whole prompts
 
     def resolve_device(self) -> torch.device:
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -77,9 +92,10 @@ class TorchEngineConfig:
 @dataclass
 class _Sequence:
     request: GenerationRequest
-    emit: Callable[[TokenDelta], None]  # thread-safe: puts the delta on the request's asyncio queue
+    emit: Callable[[TokenDelta], None]  # engine thread: queues the delta for the step's delivery
     generator: torch.Generator
     length: int = 0  # positions held in the KV cache
+    prefill_tokens: list[int] = field(default_factory=list)  # prompt + forced tokens, until prefilled
     num_generated: int = 0
     pending_tokens: list[int] = field(default_factory=list)  # sampled (then forced) last step, fed this step
     uncommitted_token: Optional[int] = None  # sampled last step, not yet seen by the constraint
@@ -92,7 +108,18 @@ class _Sequence:
         return taken
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    """Prompt positions seq.length..end-1 prefilled into `slot` this step."""
+
+    seq: _Sequence
+    slot: int
+    end: int
+    last: bool  # the prompt is prefilled to its end: the sequence samples this step
+
+
 _STOP = object()
+GIL_SWITCH_INTERVAL_S = 0.0005
 _PROMPT_LOGPROBS_CHUNK = 256  # prompt positions projected to the vocabulary at once
 
 
@@ -114,15 +141,20 @@ class TorchEngine(Engine):
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # Deltas emitted by the engine thread since its last delivery: (event loop, queue, delta).
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, TokenDelta]] = []
         self._active: set[str] = set()
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []  # index i occupies cache slot i
+        self._prefilling: Optional[_Sequence] = None  # a prompt part-prefilled, in slot len(_running)
         self._thread: Optional[threading.Thread] = None
         self.model = model
         self.cache: Optional[KVCache] = None
         self.decode_graphs: Optional[DecodeGraphs] = None
         self.sampler = BatchSampler(config.max_batch_size, self.vocab_size, self.device)
         self._forwarder = post_processor if config.fast_forward and isinstance(post_processor, FastForwarder) else None
+        self._staged = post_processor if isinstance(post_processor, StagedPostProcessor) else None
+        self._fill_pool: Optional[ThreadPoolExecutor] = None  # runs the staged post-processor's fill
         self.num_steps = 0  # forward steps run: what fast-forward saves
 
     # ---- event-loop side -------------------------------------------------------------
@@ -130,6 +162,10 @@ class TorchEngine(Engine):
     async def start(self) -> None:
         if self.device.type == "cpu":
             torch.set_num_threads(self.config.resolve_cpu_threads())  # process-wide: the engine is its torch user
+        # Process-wide too: the engine thread drops the GIL at every device sync, and while the event
+        # loop is busy streaming each re-acquisition waited out the 5 ms default (a 9 ms GPU step took
+        # 40 ms at 256 streams, docs/benchmarks/engine.md).
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         if self.model is None:
             self.model = await asyncio.to_thread(load_model, self.model_dir, self.max_model_len, self.dtype,
                                                  self.device)
@@ -138,6 +174,8 @@ class TorchEngine(Engine):
                                         self.max_model_len, self.dtype, self.device)
         if self.device.type == "cuda" and self.config.cuda_graphs:
             self.decode_graphs = DecodeGraphs(self.model, self.cache)
+        if self._staged is not None:
+            self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
         self._thread.start()
         logger.info("torch engine ready: %s on %s, batch %d, context %d",
@@ -149,6 +187,9 @@ class TorchEngine(Engine):
         self._commands.put((_STOP, None))
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+        if self._fill_pool is not None:
+            self._fill_pool.shutdown()
+            self._fill_pool = None
 
     @property
     def num_active(self) -> int:
@@ -165,10 +206,7 @@ class TorchEngine(Engine):
         deltas: asyncio.Queue[TokenDelta] = asyncio.Queue()
 
         def emit(delta: TokenDelta) -> None:
-            try:
-                loop.call_soon_threadsafe(deltas.put_nowait, delta)
-            except RuntimeError:  # the event loop is closed: nobody is listening any more
-                pass
+            self._outbox.append((loop, deltas, delta))
 
         generator = torch.Generator(self.device)
         if request.sampling.seed is None:
@@ -181,6 +219,8 @@ class TorchEngine(Engine):
         try:
             while not finished:
                 delta = await deltas.get()
+                while delta.finish_reason is None and not deltas.empty():
+                    delta = delta.then(deltas.get_nowait())
                 finished = delta.finish_reason is not None
                 yield delta
         finally:
@@ -202,28 +242,56 @@ class TorchEngine(Engine):
     @torch.inference_mode()  # aborts move cache rows too: tensors grown in a step are inference tensors
     def _loop(self) -> None:
         while True:
-            idle = not self._running and not self._waiting
-            if not self._drain_commands(block=idle):
+            if not self._drain_commands(block=self._idle()):
                 break
-            if not self._running and not self._waiting:
+            if self._idle():
                 self._record_state()  # aborts may have emptied the batch
+                self._deliver()
                 continue
             try:
                 with torch.inference_mode():  # the post-processor and sampler edit logits in place
                     self._step()
             except Exception as exc:  # a broken step must not kill the server: fail what was in it
                 logger.exception("engine step failed")
-                for seq in list(self._running):
+                for seq in self._in_slots():
                     self._finish(seq, "error", error=f"engine step failed: {exc}")
                 self._running.clear()
+                self._prefilling = None
             self._record_state()
-        for seq in [*self._running, *self._waiting]:
+            self._deliver()
+        for seq in [*self._in_slots(), *self._waiting]:
             seq.emit(TokenDelta(finish_reason="abort"))
+        self._deliver()
         self._running.clear()
+        self._prefilling = None
         self._waiting.clear()
 
+    def _deliver(self) -> None:
+        """Hand the deltas of a step to their requests' queues with one wake-up per event loop, not
+        one per delta: at a few hundred streams the per-delta wake-ups (a self-pipe write and a
+        callback each) were the event loop's main cost, and the engine thread waits for the GIL
+        while the loop holds it."""
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenDelta]]] = {}
+        for loop, deltas, delta in self._outbox:
+            by_loop.setdefault(loop, []).append((deltas, delta))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass
+
+    def _idle(self) -> bool:
+        return not self._running and not self._waiting and self._prefilling is None
+
+    def _in_slots(self) -> list[_Sequence]:
+        """The sequences holding a cache slot: running ones, then the prompt in progress."""
+        return self._running + ([self._prefilling] if self._prefilling is not None else [])
+
     def _record_state(self) -> None:
-        held = sum(seq.length for seq in self._running)
+        held = sum(seq.length for seq in self._in_slots())
         metrics.record_engine_state(len(self._running), len(self._waiting),
                                     held / (self.cache.num_slots * self.max_model_len))
 
@@ -243,6 +311,10 @@ class TorchEngine(Engine):
                 self._abort_now(payload)
 
     def _abort_now(self, request_id: str) -> None:
+        if self._prefilling is not None and self._prefilling.request.request_id == request_id:
+            self._prefilling.emit(TokenDelta(finish_reason="abort"))
+            self._prefilling = None  # its slot, the last one held, is simply free again
+            return
         for seq in self._waiting:
             if seq.request.request_id == request_id:
                 self._waiting.remove(seq)
@@ -256,67 +328,152 @@ class TorchEngine(Engine):
 
     def _step(self) -> None:
         self.num_steps += 1
-        logits = []
-        if self._running:
-            logits.append(self._decode())
-        while self._waiting and len(self._running) < self.cache.num_slots:
-            seq = self._waiting.popleft()
-            logits.append(self._prefill(seq, slot=len(self._running)).unsqueeze(0))
-            self._running.append(seq)
-        step_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
-        raw_logprobs = self.sampler.raw_logprobs(step_logits)  # before the mask changes them
-        self._constrain(step_logits)
-        sampled = self.sampler.sample(step_logits, raw_logprobs)
+        num_decoding = len(self._running)
+        # Decode graphs pad the batch with rows writing position 0 of the slots after the running
+        # ones, where a part-prefilled prompt sits: while one does, decode runs eagerly.
+        graphs = self._prefilling is None
+        chunks = self._plan_prefill()
+        # Logits rows: the running sequences, then the prompts prefilled to their end this step.
+        rows = [ConstrainedRow(seq.request.constraint, index, seq.uncommitted_token)
+                for index, seq in enumerate(self._running) if seq.request.constraint is not None]
+        # The host half of the constraint work runs while the forward pass does (the fill drops
+        # the GIL); nothing else commits to a matcher until it is joined.
+        fill = self._fill_pool.submit(self._staged.fill, rows) if rows and self._fill_pool is not None else None
+        try:
+            logits = self._forward(num_decoding, graphs, chunks)
+        finally:
+            fill_error = _wait(fill)
+        if logits is None:  # only part of a prompt ran: nothing to sample
+            return
+        masks, raw_logprobs = None, None
+        if fill_error is not None:  # its rows end below; the others go on unmasked
+            logger.error("mask fill failed", exc_info=fill_error)
+        elif fill is not None:
+            masks = self._staged.upload(rows, fill.result(), self.device, self._stream())
+        elif rows:
+            raw_logprobs = self.sampler.raw_logprobs(logits)  # before the mask changes them
+            self.post_processor(rows, logits, self._stream())
+        for row in rows:
+            self._running[row.row].uncommitted_token = None
+        sampled = self.sampler.sample(logits, raw_logprobs, masks)
+        failed = {row.row for row in rows} if fill_error is not None else set()
         finished: list[int] = []
         for index, (seq, token, logprob) in enumerate(zip(self._running, sampled.token_ids, sampled.logprobs)):
-            reason = self._advance(index, seq, token, logprob)
+            if index in failed:
+                self._finish(seq, "error", error=f"mask fill failed: {fill_error}")
+                reason: Optional[FinishReason] = "error"
+            else:
+                reason = self._advance(index, seq, token, logprob)
             if reason is not None:
                 finished.append(index)
         for index in reversed(finished):
             self._remove(index)
 
-    def _decode(self) -> torch.Tensor:
-        """Every sequence's first pending token in one batched decode; a sequence with forced tokens
-        behind it then feeds those through `extend`, whose last logits replace its row."""
-        positions = [seq.length for seq in self._running]
-        key_len = max(positions) + 1
-        self.cache.reserve(max(seq.length + len(seq.pending_tokens) for seq in self._running))
-        token_ids = torch.tensor([seq.pending_tokens[0] for seq in self._running], device=self.device)
-        positions_tensor = torch.tensor(positions, device=self.device)
-        if self.decode_graphs is not None:
-            logits = self.decode_graphs.decode(token_ids, positions_tensor, key_len)
-        else:
-            logits = self.model.decode(token_ids, positions_tensor, key_len, self.cache)
-        for slot, seq in enumerate(self._running):
-            if len(seq.pending_tokens) > 1:
-                forced = torch.tensor(seq.pending_tokens[1:], device=self.device)
-                logits[slot] = self.model.extend(forced, self.cache, slot, start=seq.length + 1)
-            seq.length += len(seq.pending_tokens)
-        return logits
+    def _stream(self) -> Optional[torch.cuda.Stream]:
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
-    def _prefill(self, seq: _Sequence, slot: int) -> torch.Tensor:
-        """The prompt, followed by the tokens the grammar forces before anything is sampled (a JSON
-        schema's `{"name`), which are emitted as the first delta; one token is left to sample."""
+    def _plan_prefill(self) -> list[_Chunk]:
+        """Admit waiting requests and pick this step's prompt chunks, in slot order: whole prompts
+        while the token budget lasts, then the start of the next one, which stays in progress
+        (nothing else is admitted until it is done). A prompt prefilled to its end this step joins
+        the running sequences now, so the step's constrained rows are known before the forward."""
+        budget = self.config.prefill_chunk_tokens or math.inf
+        chunks: list[_Chunk] = []
+        while budget > 0:
+            slot = len(self._running)
+            if self._prefilling is not None:
+                seq = self._prefilling
+            elif self._waiting and slot < self.cache.num_slots:
+                seq = self._waiting.popleft()
+                self._admit(seq, slot)
+            else:
+                break
+            end = min(len(seq.prefill_tokens), seq.length + budget)
+            budget -= end - seq.length
+            chunks.append(_Chunk(seq, slot, end, last=end == len(seq.prefill_tokens)))
+            if chunks[-1].last:
+                self._running.append(seq)
+                self._prefilling = None
+            else:
+                self._prefilling = seq
+                break
+        return chunks
+
+    def _admit(self, seq: _Sequence, slot: int) -> None:
+        """The tokens to prefill: the prompt, followed by the tokens the grammar forces before
+        anything is sampled (a JSON schema's `{"name`), emitted as the first delta once prefilled;
+        one token is left to sample."""
         prompt = seq.request.prompt_token_ids
         sampling = seq.request.sampling
         metrics.request_queue_time.observe(time.monotonic() - seq.arrival)
         seq.fast_forward = self._forwarder is not None and seq.request.constraint is not None and not (
             sampling.logprobs is not None and sampling.logprobs_mode == "raw_logprobs")
         forced = self._forced(seq, None, min(sampling.max_tokens, self.max_model_len - len(prompt)) - 1)
-        tokens = prompt + forced
-        self.cache.reserve(len(tokens))
+        seq.prefill_tokens = prompt + forced
+        seq.num_generated = len(forced)
+        if sampling.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first prompt token has none
+        self.cache.reserve(len(seq.prefill_tokens))
         self.sampler.add(slot, sampling, prompt, seq.generator)
         self.sampler.record_forced(slot, forced)
-        num_top = sampling.prompt_logprobs
-        if num_top is None:
-            logits = self.model.prefill(torch.tensor(tokens, device=self.device), self.cache, slot)
+
+    def _forward(self, num_decoding: int, graphs: bool, chunks: list[_Chunk]) -> Optional[torch.Tensor]:
+        """Decode the first `num_decoding` running rows, then run the prompt chunks; the logits of
+        every row that samples this step, in row order (None when no row does)."""
+        logits = []
+        if num_decoding:
+            logits.append(self._decode(self._running[:num_decoding], graphs))
+        for chunk in chunks:
+            row = self._prefill_chunk(chunk)
+            if chunk.last:
+                logits.append(row.unsqueeze(0))
+        if not logits:
+            return None
+        return torch.cat(logits) if len(logits) > 1 else logits[0]
+
+    def _device_tokens(self, values: list[int]) -> torch.Tensor:
+        """int64 ids on the device; on CUDA through pinned memory, so the copy does not wait for
+        the work already queued (a pageable copy syncs the stream)."""
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
+
+    def _decode(self, batch: list[_Sequence], graphs: bool) -> torch.Tensor:
+        """Every sequence's first pending token in one batched decode; a sequence with forced tokens
+        behind it then feeds those through `extend`, whose last logits replace its row."""
+        positions = [seq.length for seq in batch]
+        key_len = max(positions) + 1
+        self.cache.reserve(max(seq.length + len(seq.pending_tokens) for seq in batch))
+        token_ids = self._device_tokens([seq.pending_tokens[0] for seq in batch])
+        positions_tensor = self._device_tokens(positions)
+        if graphs and self.decode_graphs is not None:
+            logits = self.decode_graphs.decode(token_ids, positions_tensor, key_len)
         else:
-            logits, seq.prompt_logprobs = self._prefill_with_prompt_logprobs(tokens, len(prompt), slot, num_top)
-        seq.length = len(tokens)
-        if forced:
-            seq.num_generated = len(forced)
-            seq.emit(TokenDelta(forced, logprobs=self._forced_logprobs(seq, forced),
-                                prompt_logprobs=seq.take_prompt_logprobs()))
+            logits = self.model.decode(token_ids, positions_tensor, key_len, self.cache)
+        for slot, seq in enumerate(batch):
+            if len(seq.pending_tokens) > 1:
+                forced = self._device_tokens(seq.pending_tokens[1:])
+                logits[slot] = self.model.extend(forced, self.cache, slot, start=seq.length + 1)
+            seq.length += len(seq.pending_tokens)
+        return logits
+
+    def _prefill_chunk(self, chunk: _Chunk) -> torch.Tensor:
+        """Extend the slot with this chunk's tokens; the last position's logits. A prompt prefilled
+        to its end emits its forced tokens (with the prompt logprobs) as its first delta."""
+        seq = chunk.seq
+        tokens = self._device_tokens(seq.prefill_tokens[seq.length:chunk.end])
+        if seq.request.sampling.prompt_logprobs is None:
+            logits = self.model.extend(tokens, self.cache, chunk.slot, seq.length)
+        else:
+            logits = self._extend_scoring_prompt(seq, tokens, chunk.slot)
+        seq.length = chunk.end
+        if chunk.last:
+            forced = seq.prefill_tokens[len(seq.request.prompt_token_ids):]
+            seq.prefill_tokens = []
+            if forced:
+                seq.emit(TokenDelta(forced, logprobs=self._forced_logprobs(seq, forced),
+                                    prompt_logprobs=seq.take_prompt_logprobs()))
         return logits
 
     def _forced(self, seq: _Sequence, token: Optional[int], limit: int) -> list[int]:
@@ -335,42 +492,25 @@ class TorchEngine(Engine):
             return None
         return [TokenLogprob(0.0, ((token, 0.0),) if seq.request.sampling.logprobs else ()) for token in forced]
 
-    def _prefill_with_prompt_logprobs(self, tokens: list[int], prompt_len: int, slot: int, num_top: int
-                                      ) -> tuple[torch.Tensor, list[Optional[TokenLogprob]]]:
-        """Prefill, also scoring every prompt token under the model (raw logprobs; None for the first);
-        `tokens` is the prompt followed by forced tokens, which are not scored.
+    def _extend_scoring_prompt(self, seq: _Sequence, tokens: torch.Tensor, slot: int) -> torch.Tensor:
+        """`extend` with these tokens, also scoring the prompt tokens they predict under the model
+        (raw logprobs, appended to seq.prompt_logprobs); forced tokens are not scored.
 
-        The model returns the last position's logits only, so catch its final hidden states and
-        project them here, a chunk of positions at a time to bound the (positions, vocab) memory.
+        The hidden states are projected here a chunk of positions at a time, to bound the
+        (positions, vocab) memory.
         """
-        captured: list[torch.Tensor] = []
-        hook = self.model.model.norm.register_forward_hook(lambda _m, _i, out: captured.append(out))
-        try:
-            logits = self.model.prefill(torch.tensor(tokens, device=self.device), self.cache, slot)
-        finally:
-            hook.remove()
-        hidden = captured[0].reshape(-1, captured[0].shape[-1])
-        targets = torch.tensor(tokens[1:prompt_len], device=self.device)
-        scored: list[Optional[TokenLogprob]] = [None]
-        for start in range(0, prompt_len - 1, _PROMPT_LOGPROBS_CHUNK):
-            end = min(start + _PROMPT_LOGPROBS_CHUNK, prompt_len - 1)
-            chunk_logprobs = self.model.lm_head(hidden[start:end]).float().log_softmax(dim=-1)
-            scored += token_logprobs(chunk_logprobs, targets[start:end], [num_top] * (end - start))[1]
-        return logits, scored
-
-    def _constrain(self, logits: torch.Tensor) -> None:
-        """One post-processor call for every constrained row; a row whose grammar failed ends with an error."""
-        rows = [
-            ConstrainedRow(seq.request.constraint, index, seq.uncommitted_token)
-            for index, seq in enumerate(self._running)
-            if seq.request.constraint is not None
-        ]
-        if not rows:
-            return
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        self.post_processor(rows, logits, stream)
-        for row in rows:
-            self._running[row.row].uncommitted_token = None
+        start = seq.length
+        hidden = self.model.extend_hidden(tokens, self.cache, slot, start)
+        logits = self.model.lm_head(hidden[-1]).float()
+        prompt = seq.request.prompt_token_ids
+        scored = min(start + tokens.shape[0], len(prompt) - 1) - start  # position p predicts prompt[p + 1]
+        targets = self._device_tokens(prompt[start + 1:start + 1 + max(scored, 0)])
+        num_top = seq.request.sampling.prompt_logprobs
+        for first in range(0, scored, _PROMPT_LOGPROBS_CHUNK):
+            last = min(first + _PROMPT_LOGPROBS_CHUNK, scored)
+            chunk_logprobs = self.model.lm_head(hidden[first:last]).float().log_softmax(dim=-1)
+            seq.prompt_logprobs += token_logprobs(chunk_logprobs, targets[first:last], [num_top] * (last - first))[1]
+        return logits
 
     def _advance(self, row: int, seq: _Sequence, token: int, logprob: Optional[TokenLogprob] = None
                  ) -> Optional[FinishReason]:
@@ -411,10 +551,26 @@ class TorchEngine(Engine):
         seq.emit(TokenDelta(token_ids or [], reason, error, logprobs, seq.take_prompt_logprobs()))
 
     def _remove(self, index: int) -> None:
-        """Free slot `index`, moving the last running sequence into it."""
+        """Free slot `index`, moving the last running sequence into it, and the prompt in progress
+        into the slot that frees."""
         last = len(self._running) - 1
         if index != last:
-            self.cache.move(last, index, self._running[last].length)
-            self.sampler.move(last, index)
+            self._move(last, index, self._running[last].length)
             self._running[index] = self._running[last]
         self._running.pop()
+        if self._prefilling is not None:
+            self._move(last + 1, last, self._prefilling.length)
+
+    def _move(self, src: int, dst: int, length: int) -> None:
+        self.cache.move(src, dst, length)
+        self.sampler.move(src, dst)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:
+    for deltas, delta in items:
+        deltas.put_nowait(delta)
+
+
+def _wait(future: Optional[Future]) -> Optional[BaseException]:
+    """Wait for a mask fill; the exception it raised, if any."""
+    return None if future is None else future.exception()
