@@ -1,18 +1,25 @@
-"""MaskBench through our constraint layer, side by side with llguidance called directly.
+"""MaskBench through our constraint layer, side by side with llguidance called directly and,
+with --xgrammar, with XGrammar 0.2.x.
 
 For every schema file: compile it (our GrammarCompiler vs a bare LLMatcher: time to first
 mask), then replay each test instance's tokens (compact JSON, the default grammar's policy)
 step by step: one step = commit the previous token + compute the mask. Valid instances must
 be allowed token by token and accepted at the end; invalid ones must be rejected somewhere.
-Then a batch of 64 sequences (one per schema) is stepped together: LLExecutor on all cores
-vs one thread.
+Then 64 sequences are stepped together with continuous batching (a finished sequence's slot
+takes the next one) for --batch-steps steps: ours, llguidance's executor, one thread, and
+XGrammar's batch API and one thread.
+
+XGrammar compiles far more slowly, so with --xgrammar it runs after llguidance in worker
+processes (one compile thread each) over the files in an order spread across the folder,
+until --xgrammar-budget seconds are spent; llguidance's figures are also given on those files.
 
     python bench/maskbench.py                       # whole folder, SmolLM2 tokenizer
     python bench/maskbench.py --tokenizer llama3 --every 4 --json out.json
-    python bench/maskbench.py --every 40 --xgrammar     # XGrammar 0.2.x on the same files too
+    python bench/maskbench.py --every 40 --xgrammar --xgrammar-budget 120
 
 Needs torch, llguidance and transformers (plus gguf for the SmolLM2 GGUF, or pass --tokenizer
-with a saved Hugging Face tokenizer directory or a tokenizer.json).
+with a saved Hugging Face tokenizer directory or a tokenizer.json); --xgrammar needs
+`pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2`.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import asyncio
 import importlib.metadata
 import importlib.util
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -50,6 +58,7 @@ from llgtrt_core.engine.interface import ConstrainedRow  # noqa: E402
 
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "maskbench"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BATCH_MIN_TOKENS = 8  # a batch sequence shorter than this would mostly measure admissions
 
 
 def load_hf_tokenizer(name: str) -> Any:
@@ -81,24 +90,76 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
+def distribution(xs: list[float]) -> dict[str, float]:
+    return {"n": len(xs), "mean_us": statistics.fmean(xs) if xs else float("nan"),
+            "p50_us": percentile(xs, 50), "p99_us": percentile(xs, 99), "max_us": max(xs, default=float("nan"))}
+
+
+def spread_order(items: list[Any], stride: int = 64) -> list[Any]:
+    """Every stride-th item, then the ones after them, ...: any prefix is spread over the whole
+    (sorted) folder, so a run cut short by a time budget still samples every source."""
+    return [items[i] for offset in range(stride) for i in range(offset, len(items), stride)]
+
+
 @dataclass
-class Totals:
-    files: int = 0
-    compiled: int = 0
+class FileResult:
+    """One schema file through one library; timings keyed by path ("raw", "ours", "xgrammar")."""
+    name: str
+    compiled: bool = False
+    compile_error: str = ""
     valid: int = 0
     valid_accepted: int = 0
-    valid_in_compiled: int = 0
     invalid: int = 0
     invalid_rejected: int = 0
-    invalid_in_compiled: int = 0
+    accepted_valid_tests: list[int] = field(default_factory=list)  # indices into the file's tests
     mask_mismatches: int = 0
-    first_mask_raw_us: list[float] = field(default_factory=list)
-    first_mask_ours_us: list[float] = field(default_factory=list)
-    step_raw_us: list[float] = field(default_factory=list)
-    step_ours_us: list[float] = field(default_factory=list)
-    compile_errors: dict[str, int] = field(default_factory=dict)
-    valid_rejected_files: list[str] = field(default_factory=list)
-    invalid_accepted_files: list[str] = field(default_factory=list)
+    first_mask_us: dict[str, float] = field(default_factory=dict)
+    step_us: dict[str, list[float]] = field(default_factory=dict)
+
+
+def summarize(results: list[FileResult]) -> dict[str, Any]:
+    """Coverage and timings over some files: the whole folder, or the files XGrammar reached."""
+    compiled = [r for r in results if r.compiled]
+    valid_in_compiled = sum(r.valid for r in compiled)
+    invalid_in_compiled = sum(r.invalid for r in compiled)
+    valid_accepted = sum(r.valid_accepted for r in compiled)
+    invalid_rejected = sum(r.invalid_rejected for r in compiled)
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.compiled:
+            errors[r.compile_error] = errors.get(r.compile_error, 0) + 1
+    paths = sorted({path for r in compiled for path in r.step_us})
+    return {
+        "files": len(results),
+        "schemas_compiled": len(compiled),
+        "share_compiled": len(compiled) / max(1, len(results)),
+        "valid_instances": sum(r.valid for r in results),
+        "valid_accepted": valid_accepted,
+        "share_valid_accepted_of_all": valid_accepted / max(1, sum(r.valid for r in results)),
+        "share_valid_accepted_of_compiled": valid_accepted / max(1, valid_in_compiled),
+        "invalid_instances_of_compiled": invalid_in_compiled,
+        "invalid_rejected": invalid_rejected,
+        "share_invalid_rejected_of_compiled": invalid_rejected / max(1, invalid_in_compiled),
+        "mask_mismatches": sum(r.mask_mismatches for r in results),
+        "first_mask": {p: distribution([r.first_mask_us[p] for r in compiled]) for p in paths},
+        "step": {p: distribution([t for r in compiled for t in r.step_us[p]]) for p in paths},
+        "top_compile_errors": sorted(errors.items(), key=lambda kv: -kv[1])[:12],
+        "valid_rejected_files": [r.name for r in compiled if r.valid_accepted < r.valid][:50],
+        "invalid_accepted_files": [r.name for r in compiled if r.invalid_rejected < r.invalid][:50],
+    }
+
+
+def first_line(message: str) -> str:
+    return message.strip().splitlines()[0][:80] if message.strip() else "?"
+
+
+@dataclass
+class BatchSequence:
+    """A valid instance to replay in the batch, with its grammar compiled by each library."""
+    name: str
+    compiled: Any  # ours: GrammarCompiler's result
+    tokens: list[int]
+    xgrammar: Any = None
 
 
 class Bench:
@@ -110,78 +171,64 @@ class Bench:
         self.processor = MaskPostProcessor(self.ll, max_batch_size=64, num_threads=threads)
         self.raw_limits = self.compiler.limits
         self.raw_mask = allocate_token_bitmask(1, self.ll.vocab_size)
-        self.totals = Totals()
-        self.batch_pool: list[tuple[Any, list[int]]] = []  # (compiled grammar, valid tokens)
+        self.batch_candidates: list[tuple[int, BatchSequence]] = []  # (test index, sequence)
 
     def tokens(self, instance: Any) -> list[int]:
         return self.hf.encode(dumps_compact(instance), add_special_tokens=False)
 
-    async def run_file(self, path: Path, raw_first: bool) -> None:
-        totals = self.totals
+    async def run_file(self, path: Path, raw_first: bool) -> FileResult:
         data = json.loads(path.read_text())
         tests = data.get("tests") or []
-        valid = [self.tokens(t["data"]) for t in tests if t["valid"]]
-        invalid = [self.tokens(t["data"]) for t in tests if not t["valid"]]
-        totals.files += 1
-        totals.valid += len(valid)
-        totals.invalid += len(invalid)
+        result = FileResult(path.name, valid=sum(bool(t["valid"]) for t in tests),
+                            invalid=sum(not t["valid"] for t in tests))
         try:
             grammar = json_schema_grammar(data["schema"])
         except GrammarRequestError as e:
-            self._compile_error(e.message)
-            return
+            result.compile_error = first_line(e.message)
+            return result
         if raw_first:
-            raw = self.raw_first_mask(grammar)
-            ours = await self.ours_first_mask(grammar)
+            raw = self.raw_first_mask(grammar, result)
+            ours = await self.ours_first_mask(grammar, result)
         else:
-            ours = await self.ours_first_mask(grammar)
-            raw = self.raw_first_mask(grammar)
+            ours = await self.ours_first_mask(grammar, result)
+            raw = self.raw_first_mask(grammar, result)
         if isinstance(ours, str):
-            self._compile_error(ours)
-            return
+            result.compile_error = first_line(ours)
+            return result
         assert raw is not None, f"{path.name}: llguidance compiled what our layer refused"
-        totals.compiled += 1
-        totals.valid_in_compiled += len(valid)
-        totals.invalid_in_compiled += len(invalid)
-        for tokens in valid:
-            accepted = self.paired_replay(raw, ours, tokens)
-            if accepted:
-                totals.valid_accepted += 1
-                if len(tokens) >= 16 and not any(c is ours for c, _ in self.batch_pool):
-                    self.batch_pool.append((ours, tokens))
-            elif path.name not in totals.valid_rejected_files:
-                totals.valid_rejected_files.append(path.name)
-        for tokens in invalid:
-            accepted = self.replay(ours, tokens)
-            if accepted:
-                totals.invalid_accepted_files.append(path.name)
-            else:
-                totals.invalid_rejected += 1
+        result.compiled = True
+        result.step_us = {"raw": [], "ours": []}
+        for index, test in enumerate(tests):
+            tokens = self.tokens(test["data"])
+            if not test["valid"]:
+                result.invalid_rejected += not self.replay(ours, tokens)
+            elif self.paired_replay(raw, ours, tokens, result):
+                result.valid_accepted += 1
+                result.accepted_valid_tests.append(index)
+                if len(result.accepted_valid_tests) == 1 and len(tokens) >= BATCH_MIN_TOKENS:
+                    self.batch_candidates.append((index, BatchSequence(path.name, ours, tokens)))
+        return result
 
-    def _compile_error(self, message: str) -> None:
-        first_line = message.strip().splitlines()[0][:80] if message.strip() else "?"
-        self.totals.compile_errors[first_line] = self.totals.compile_errors.get(first_line, 0) + 1
-
-    def raw_first_mask(self, grammar: str) -> Optional[LLMatcher]:
+    def raw_first_mask(self, grammar: str, result: FileResult) -> Optional[LLMatcher]:
         start = time.perf_counter_ns()
         matcher = LLMatcher(self.ll, grammar, log_level=0, limits=self.raw_limits)
         if matcher.is_error():
             return None
         fill_next_token_bitmask(matcher, self.raw_mask, 0)
-        self.totals.first_mask_raw_us.append((time.perf_counter_ns() - start) / 1e3)
+        result.first_mask_us["raw"] = (time.perf_counter_ns() - start) / 1e3
         return matcher
 
-    async def ours_first_mask(self, grammar: str) -> Any:
+    async def ours_first_mask(self, grammar: str, result: FileResult) -> Any:
         start = time.perf_counter_ns()
         try:
             compiled = await self.compiler.compile(grammar)
         except GrammarRequestError as e:
             return e.message
         self.processor.fill([ConstrainedRow(self.compiler.new_constraint(compiled), 0, None)])
-        self.totals.first_mask_ours_us.append((time.perf_counter_ns() - start) / 1e3)
+        result.first_mask_us["ours"] = (time.perf_counter_ns() - start) / 1e3
         return compiled
 
-    def paired_replay(self, raw_template: LLMatcher, compiled: Any, tokens: list[int]) -> bool:
+    def paired_replay(self, raw_template: LLMatcher, compiled: Any, tokens: list[int], result: FileResult) -> bool:
         """Bare llguidance (consume_token + mask straight into memory: the floor) and our layer
         (MaskPostProcessor.fill) advanced in lockstep over the same tokens, each step timed
         for both, in alternating order: both see the same lexer caches and machine load.
@@ -189,6 +236,7 @@ class Bench:
         matcher = raw_template.deep_copy()
         constraint = self.compiler.new_constraint(compiled)
         pointer, size = self.raw_mask.data_ptr(), self.raw_mask.shape[1] * 4
+        raw_times, ours_times = result.step_us["raw"], result.step_us["ours"]
         previous = None
         for step, token in enumerate(tokens):
             rows = [ConstrainedRow(constraint, 0, previous)]  # the engine's part, not timed
@@ -196,14 +244,14 @@ class Bench:
                 start = time.perf_counter_ns()
                 if path == "ours":
                     masks = self.processor.fill(rows)
-                    self.totals.step_ours_us.append((time.perf_counter_ns() - start) / 1e3)
+                    ours_times.append((time.perf_counter_ns() - start) / 1e3)
                 else:
                     if previous is not None:
                         matcher.consume_token(previous)
                     matcher.unsafe_compute_mask_ptr(pointer, size)
-                    self.totals.step_raw_us.append((time.perf_counter_ns() - start) / 1e3)
+                    raw_times.append((time.perf_counter_ns() - start) / 1e3)
             mask = masks[0]
-            self.totals.mask_mismatches += not torch.equal(mask, self.raw_mask[0])
+            result.mask_mismatches += not torch.equal(mask, self.raw_mask[0])
             if not bit_set(mask, token):
                 return False
             previous = token
@@ -223,108 +271,199 @@ class Bench:
         final = self.processor.fill([ConstrainedRow(constraint, 0, last)])[0]
         return constraint.error is None and bit_set(final, self.eos)
 
-    def batch(self, size: int, max_steps: int, repeats: int = 3) -> dict[str, Any]:
-        """`size` sequences of different schemas stepped together: ours (MaskPostProcessor.fill,
-        LLExecutor) vs llguidance's executor directly vs one thread doing the same work.
-        One untimed warm-up run, then `repeats` runs of each in turn; per step the fastest."""
-        pool = self.batch_pool[:: max(1, len(self.batch_pool) // size)][:size]
-        if len(pool) < size:
-            return {"skipped": f"only {len(pool)} sequences available"}
-        steps = min(max_steps, min(len(tokens) for _, tokens in pool))
-        runs = {"ours": self._batch_ours, "llguidance_par": self._batch_raw, "one_thread": self._batch_serial}
-        self._batch_ours(pool, steps)
-        best: dict[str, list[float]] = {}
-        for _ in range(repeats):
-            for name, run in runs.items():
-                times = run(pool, steps)
-                best[name] = [min(a, b) for a, b in zip(best.get(name, times), times)]
-        summary = lambda xs: {"p50_us": percentile(xs, 50), "p99_us": percentile(xs, 99), "mean_us": statistics.fmean(xs)}
-        return {"size": size, "steps": steps, **{name: summary(times) for name, times in best.items()}}
 
-    def _batch_ours(self, pool: list[tuple[Any, list[int]]], steps: int) -> list[float]:
-        constraints = [self.compiler.new_constraint(compiled) for compiled, _ in pool]
-        times = []
-        for step in range(steps):
-            rows = [
-                ConstrainedRow(c, i, tokens[step - 1] if step else None)
-                for i, (c, (_, tokens)) in enumerate(zip(constraints, pool))
-            ]
+# ---- Continuous batching: every implementation replays the same schedule in lockstep ----
+
+def batch_schedule(lengths: list[int], size: int, steps: int) -> list[list[tuple[int, int]]]:
+    """Per step, per slot: (sequence number, position). A sequence of n tokens takes n + 1 steps
+    (the last commits its final token and must allow EOS); then the slot takes the next
+    sequence, pool entries reused in turn (sequence number k replays pool[k % len(pool)])."""
+    slots = [(k, 0) for k in range(size)]
+    next_sequence = size
+    schedule = []
+    for _ in range(steps):
+        schedule.append(list(slots))
+        for slot, (k, position) in enumerate(slots):
+            if position < lengths[k % len(lengths)]:
+                slots[slot] = (k, position + 1)
+            else:
+                slots[slot] = (next_sequence, 0)
+                next_sequence += 1
+    return schedule
+
+
+class OursBatch:
+    name = "ours"
+
+    def __init__(self, bench: Bench, size: int) -> None:
+        self.bench = bench
+        self.constraints: list[Any] = [None] * size
+
+    def admit(self, slot: int, sequence: BatchSequence) -> None:
+        self.constraints[slot] = self.bench.compiler.new_constraint(sequence.compiled)
+
+    def prepare(self, previous: list[Optional[int]]) -> None:
+        self.rows = [ConstrainedRow(c, slot, t) for slot, (c, t) in enumerate(zip(self.constraints, previous))]
+
+    def run(self) -> torch.Tensor:
+        return self.bench.processor.fill(self.rows)
+
+
+class LLGuidanceBatch:
+    """llguidance's executor called directly (parallel) or the same work on one thread."""
+
+    def __init__(self, bench: Bench, size: int, parallel: bool) -> None:
+        self.name = "llguidance_par" if parallel else "llguidance_one_thread"
+        self.executor = bench.processor.executor
+        self.parallel = parallel
+        self.matchers: list[Any] = [None] * size
+        self.masks = allocate_token_bitmask(size, bench.ll.vocab_size)
+
+    def admit(self, slot: int, sequence: BatchSequence) -> None:
+        self.matchers[slot] = sequence.compiled.matcher.deep_copy()
+
+    def prepare(self, previous: list[Optional[int]]) -> None:
+        self.commits = [(m, t) for m, t in zip(self.matchers, previous) if t is not None]
+        self.rows = [(m, slot) for slot, m in enumerate(self.matchers)]
+
+    def run(self) -> torch.Tensor:
+        if self.parallel:
+            if self.commits:
+                consume_token_par(self.executor, self.commits)
+            fill_next_token_bitmask_par(self.executor, self.rows, self.masks)
+        else:
+            for matcher, token in self.commits:
+                matcher.consume_token(token)
+            for matcher, slot in self.rows:
+                fill_next_token_bitmask(matcher, self.masks, slot)
+        return self.masks
+
+
+class XGrammarBatch:
+    """XGrammar's BatchGrammarMatcher (its thread pool) or the same work on one thread."""
+
+    def __init__(self, xgr: Any, vocab_size: int, size: int, threads: Optional[int], parallel: bool) -> None:
+        self.name = "xgrammar_batch" if parallel else "xgrammar_one_thread"
+        self.xgr = xgr
+        self.batcher = xgr.BatchGrammarMatcher(threads or "auto") if parallel else None
+        self.matchers: list[Any] = [None] * size
+        self.masks = xgr.allocate_token_bitmask(size, vocab_size)
+
+    def admit(self, slot: int, sequence: BatchSequence) -> None:
+        self.matchers[slot] = self.xgr.GrammarMatcher(sequence.xgrammar)
+
+    def prepare(self, previous: list[Optional[int]]) -> None:
+        committing = [(m, t) for m, t in zip(self.matchers, previous) if t is not None]
+        self.commit_matchers = [m for m, _ in committing]
+        self.commit_tokens = [t for _, t in committing]
+
+    def run(self) -> torch.Tensor:
+        if self.batcher is not None:
+            if self.commit_matchers:
+                self.xgr.BatchGrammarMatcher.batch_accept_token(self.commit_matchers, self.commit_tokens)
+            self.batcher.batch_fill_next_token_bitmask(self.matchers, self.masks)
+        else:
+            for matcher, token in zip(self.commit_matchers, self.commit_tokens):
+                matcher.accept_token(token)
+            for slot, matcher in enumerate(self.matchers):
+                matcher.fill_next_token_bitmask(self.masks, slot)
+        return self.masks
+
+
+def run_batch(bench: Bench, pool: list[BatchSequence], size: int, steps: int,
+              xgr: Any = None, threads: Optional[int] = None) -> dict[str, Any]:
+    """`size` slots stepped `steps` times with continuous batching; each step every
+    implementation commits its rows' previous tokens and fills their masks (timed), in
+    rotating order so all see the same load. Checked untimed: our masks equal llguidance's,
+    and every slot's next token (or EOS) is allowed by every implementation."""
+    if not pool:
+        return {"skipped": "no sequence to batch"}
+    lengths = [len(s.tokens) for s in pool]
+    schedule = batch_schedule(lengths, size, steps)
+    runners: list[Any] = [OursBatch(bench, size), LLGuidanceBatch(bench, size, True),
+                          LLGuidanceBatch(bench, size, False)]
+    if xgr is not None:
+        runners += [XGrammarBatch(xgr, bench.ll.vocab_size, size, threads, parallel)
+                    for parallel in (True, False)]
+    times: dict[str, list[float]] = {r.name: [] for r in runners}
+    disallowed = {r.name: 0 for r in runners}
+    mismatches = 0
+    for step, slots in enumerate(schedule):
+        previous: list[Optional[int]] = []
+        expected: list[int] = []
+        for slot, (k, position) in enumerate(slots):
+            sequence = pool[k % len(pool)]
+            if position == 0:
+                for runner in runners:
+                    runner.admit(slot, sequence)
+            previous.append(sequence.tokens[position - 1] if position else None)
+            expected.append(sequence.tokens[position] if position < len(sequence.tokens) else bench.eos)
+        masks = {}
+        for i in range(len(runners)):
+            runner = runners[(step + i) % len(runners)]
+            runner.prepare(previous)
             start = time.perf_counter_ns()
-            self.processor.fill(rows)
-            times.append((time.perf_counter_ns() - start) / 1e3)
-        assert all(c.error is None for c in constraints)
-        return times
-
-    def _batch_raw(self, pool: list[tuple[Any, list[int]]], steps: int) -> list[float]:
-        executor = self.processor.executor
-        matchers = [compiled.matcher.deep_copy() for compiled, _ in pool]
-        masks = allocate_token_bitmask(len(pool), self.ll.vocab_size)
-        times = []
-        for step in range(steps):
-            start = time.perf_counter_ns()
-            if step:
-                consume_token_par(executor, [(m, tokens[step - 1]) for m, (_, tokens) in zip(matchers, pool)])
-            fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], masks)
-            times.append((time.perf_counter_ns() - start) / 1e3)
-        return times
-
-    def _batch_serial(self, pool: list[tuple[Any, list[int]]], steps: int) -> list[float]:
-        matchers = [compiled.matcher.deep_copy() for compiled, _ in pool]
-        masks = allocate_token_bitmask(len(pool), self.ll.vocab_size)
-        times = []
-        for step in range(steps):
-            start = time.perf_counter_ns()
-            for i, (m, (_, tokens)) in enumerate(zip(matchers, pool)):
-                if step:
-                    m.consume_token(tokens[step - 1])
-                fill_next_token_bitmask(m, masks, i)
-            times.append((time.perf_counter_ns() - start) / 1e3)
-        return times
+            masks[runner.name] = runner.run()
+            times[runner.name].append((time.perf_counter_ns() - start) / 1e3)
+        mismatches += not torch.equal(masks["ours"][:size], masks["llguidance_par"][:size])
+        for name, mask in masks.items():
+            disallowed[name] += sum(not bit_set(mask[slot], token) for slot, token in enumerate(expected))
+    return {
+        "size": size, "steps": steps, "pool": len(pool),
+        "sequences": schedule[-1][-1][0] + 1 if schedule else 0,
+        "mask_mismatches_ours_vs_llguidance": mismatches,
+        "next_token_disallowed": disallowed,
+        **{name: distribution(xs) for name, xs in times.items()},
+    }
 
 
-class XGrammarBench:
-    """XGrammar on the same files and token sequences, same JSON policy (compact separators,
-    no free whitespace; strict_mode off: JSON Schema's own additionalProperties rules).
-    Optional: `pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2`."""
+# ---- XGrammar on the same files, in worker processes ----
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int) -> None:
+class XGrammarFiles:
+    """XGrammar on one file at a time, same JSON policy as ours (compact separators, no free
+    whitespace; strict_mode off: JSON Schema's own additionalProperties rules), one compile
+    thread, no cache. Per step, as for ours: accept the previous token + fill the mask."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, compile_threads: int = 1) -> None:
         import xgrammar
 
         self.xgr = xgrammar
         self.hf = hf_tokenizer
         info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
-        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=compile_threads, cache_enabled=False)
         self.mask = xgrammar.allocate_token_bitmask(1, vocab_size)
         self.eos = hf_tokenizer.eos_token_id
-        self.version = getattr(xgrammar, "__version__", None) or importlib.metadata.version("xgrammar")
-        self.files = self.compiled = self.valid = self.valid_accepted = self.invalid = self.invalid_rejected = 0
-        self.first_mask_us: list[float] = []
-        self.step_us: list[float] = []
 
-    def run_file(self, path: Path) -> None:
+    def compile(self, schema: Any) -> Any:
+        return self.compiler.compile_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=(",", ":"), strict_mode=False)
+
+    def run_file(self, path: Path) -> FileResult:
         data = json.loads(path.read_text())
-        self.files += 1
+        tests = data.get("tests") or []
+        result = FileResult(path.name, valid=sum(bool(t["valid"]) for t in tests),
+                            invalid=sum(not t["valid"] for t in tests))
         start = time.perf_counter_ns()
         try:
-            compiled = self.compiler.compile_json_schema(
-                json.dumps(data["schema"]), any_whitespace=False, separators=(",", ":"), strict_mode=False)
+            compiled = self.compile(data["schema"])
             self.xgr.GrammarMatcher(compiled).fill_next_token_bitmask(self.mask)
-        except Exception:
-            return
-        self.first_mask_us.append((time.perf_counter_ns() - start) / 1e3)
-        self.compiled += 1
-        for test in data.get("tests") or []:
+        except Exception as e:
+            result.compile_error = first_line(str(e))
+            return result
+        result.first_mask_us["xgrammar"] = (time.perf_counter_ns() - start) / 1e3
+        result.compiled = True
+        result.step_us["xgrammar"] = []
+        for index, test in enumerate(tests):
             tokens = self.hf.encode(dumps_compact(test["data"]), add_special_tokens=False)
-            accepted = self.replay(compiled, tokens, timed=test["valid"])
-            if test["valid"]:
-                self.valid += 1
-                self.valid_accepted += accepted
-            else:
-                self.invalid += 1
-                self.invalid_rejected += not accepted
+            accepted = self.replay(compiled, tokens, result.step_us["xgrammar"] if test["valid"] else None)
+            if test["valid"] and accepted:
+                result.valid_accepted += 1
+                result.accepted_valid_tests.append(index)
+            elif not test["valid"]:
+                result.invalid_rejected += not accepted
+        return result
 
-    def replay(self, compiled: Any, tokens: list[int], timed: bool) -> bool:
-        """Per step, as for ours: accept the previous token + fill the mask."""
+    def replay(self, compiled: Any, tokens: list[int], times: Optional[list[float]]) -> bool:
         matcher = self.xgr.GrammarMatcher(compiled)
         previous = None
         for token in tokens + [self.eos]:
@@ -332,91 +471,152 @@ class XGrammarBench:
             if previous is not None and not matcher.accept_token(previous):
                 return False
             matcher.fill_next_token_bitmask(self.mask)
-            if timed:
-                self.step_us.append((time.perf_counter_ns() - start) / 1e3)
+            if times is not None:
+                times.append((time.perf_counter_ns() - start) / 1e3)
             if not bit_set(self.mask[0], token):
                 return False
             previous = token
         return True
 
-    def report(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "files": self.files,
-            "schemas_compiled": self.compiled,
-            "share_compiled": self.compiled / max(1, self.files),
-            "valid_instances_of_compiled": self.valid,
-            "valid_accepted": self.valid_accepted,
-            "invalid_instances_of_compiled": self.invalid,
-            "invalid_rejected": self.invalid_rejected,
-            "share_valid_accepted_of_compiled": self.valid_accepted / max(1, self.valid),
-            "share_invalid_rejected_of_compiled": self.invalid_rejected / max(1, self.invalid),
-            "first_mask": distribution(self.first_mask_us),
-            "step": distribution(self.step_us),
-        }
+
+_worker: Optional[XGrammarFiles] = None
+_worker_deadline = 0.0
 
 
-def distribution(xs: list[float]) -> dict[str, float]:
-    return {"n": len(xs), "mean_us": statistics.fmean(xs) if xs else float("nan"),
-            "p50_us": percentile(xs, 50), "p99_us": percentile(xs, 99), "max_us": max(xs, default=float("nan"))}
+def _init_xgrammar_worker(tokenizer: str, vocab_size: int, deadline: float) -> None:
+    global _worker, _worker_deadline
+    torch.set_num_threads(1)
+    _worker, _worker_deadline = XGrammarFiles(load_hf_tokenizer(tokenizer), vocab_size), deadline
 
 
-def report(bench: Bench, batch: dict[str, Any], args: argparse.Namespace, seconds: float) -> dict[str, Any]:
-    t = bench.totals
-    ratio = sum(t.step_ours_us) / max(1e-9, sum(t.step_raw_us))
-    dist = distribution
-    return {
-        "command": " ".join(sys.argv),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        "llguidance": __import__("llguidance").__version__,
-        "tokenizer": args.tokenizer,
-        "vocab_size": bench.ll.vocab_size,
-        "executor_threads": args.threads or "default (80% of cores)",
-        "seconds": round(seconds, 1),
-        "files": t.files,
-        "schemas_compiled": t.compiled,
-        "share_compiled": t.compiled / max(1, t.files),
-        "valid_instances": t.valid,
-        "valid_accepted": t.valid_accepted,
-        "share_valid_accepted_of_all": t.valid_accepted / max(1, t.valid),
-        "share_valid_accepted_of_compiled": t.valid_accepted / max(1, t.valid_in_compiled),
-        "invalid_instances": t.invalid,
-        "invalid_rejected": t.invalid_rejected,
-        "share_invalid_rejected_of_compiled": t.invalid_rejected / max(1, t.invalid_in_compiled),
-        "mask_mismatches_ours_vs_raw": t.mask_mismatches,
-        "first_mask_raw": dist(t.first_mask_raw_us),
-        "first_mask_ours": dist(t.first_mask_ours_us),
-        "step_raw": dist(t.step_raw_us),
-        "step_ours": dist(t.step_ours_us),
-        "ours_over_raw_step_time": ratio,
-        "batch": batch,
-        "top_compile_errors": sorted(t.compile_errors.items(), key=lambda kv: -kv[1])[:12],
-        "valid_rejected_files": t.valid_rejected_files[:50],
-        "invalid_accepted_files": sorted(set(t.invalid_accepted_files))[:50],
-    }
+def _xgrammar_file(path: str) -> Optional[FileResult]:
+    """None once the budget is spent: the file is not counted."""
+    assert _worker is not None
+    return _worker.run_file(Path(path)) if time.time() < _worker_deadline else None
+
+
+def run_xgrammar_files(files: list[Path], tokenizer: str, vocab_size: int, workers: int,
+                       budget_s: float) -> tuple[list[FileResult], int]:
+    """XGrammar over `files` (in spread order) in `workers` processes until `budget_s` is spent:
+    the results, and how many files were left out (not started, or still compiling then)."""
+    deadline = time.time() + budget_s
+    results = []
+    context = multiprocessing.get_context("spawn")  # no fork: llguidance's thread pool is running
+    with context.Pool(workers, _init_xgrammar_worker, (tokenizer, vocab_size, deadline)) as pool:
+        pending = pool.imap_unordered(_xgrammar_file, [str(p) for p in spread_order(files)])
+        try:
+            while True:
+                result = pending.next(timeout=max(1.0, deadline - time.time() + 5))
+                if result is not None:
+                    results.append(result)
+        except (StopIteration, multiprocessing.TimeoutError):
+            pass  # leaving the `with` terminates the workers
+    return results, len(files) - len(results)
+
+
+def batch_pool(bench: Bench, size: int, xgrammar_results: Optional[list[FileResult]],
+               max_first_mask_us: float = 250_000) -> list[BatchSequence]:
+    """Up to `size` sequences spread over the candidates (first accepted valid instance of a
+    schema); with XGrammar, only those it also accepted, from schemas it compiled within
+    `max_first_mask_us` (they are compiled again here)."""
+    candidates = bench.batch_candidates
+    if xgrammar_results is not None:
+        accepted = {r.name: r for r in xgrammar_results
+                    if r.compiled and r.first_mask_us["xgrammar"] <= max_first_mask_us}
+        candidates = [(test, sequence) for test, sequence in candidates
+                      if sequence.name in accepted and test in accepted[sequence.name].accepted_valid_tests]
+    return [s for _, s in candidates[:: max(1, len(candidates) // size)][:size]]
+
+
+def compile_xgrammar_pool(pool: list[BatchSequence], data: Path, xgrammar_files: XGrammarFiles) -> None:
+    for sequence in pool:
+        sequence.xgrammar = xgrammar_files.compile(json.loads((data / sequence.name).read_text())["schema"])
+
+
+def machine() -> str:
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    files = sorted(p for p in Path(args.data).glob("*.json"))[:: args.every]
+    files = sorted(Path(args.data).glob("*.json"))[:: args.every]
     if args.limit:
         files = files[: args.limit]
     hf_tokenizer = load_hf_tokenizer(args.tokenizer)
     bench = Bench(hf_tokenizer, args.threads)
-    xgrammar = XGrammarBench(hf_tokenizer, bench.ll.vocab_size) if args.xgrammar else None
     torch.set_num_threads(1)
     start = time.perf_counter()
+    ours: list[FileResult] = []
     for index, path in enumerate(files):
-        await bench.run_file(path, raw_first=index % 2 == 0)
-        if xgrammar:
-            xgrammar.run_file(path)
+        ours.append(await bench.run_file(path, raw_first=index % 2 == 0))
         if args.progress and index % args.progress == 0:
             print(f"{index}/{len(files)} {time.perf_counter() - start:.0f}s", file=sys.stderr, flush=True)
-    batch = bench.batch(args.batch, args.batch_steps)
-    results = report(bench, batch, args, time.perf_counter() - start)
-    if xgrammar:
-        results["xgrammar"] = xgrammar.report()
+    results: dict[str, Any] = {
+        "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine(),
+        "llguidance": __import__("llguidance").__version__,
+        "tokenizer": args.tokenizer,
+        "vocab_size": bench.ll.vocab_size,
+        "executor_threads": args.threads or "default (80% of cores)",
+        "llguidance_seconds": round(time.perf_counter() - start, 1),
+        **summarize(ours),
+        "ours_over_raw_step_time": sum(t for r in ours if r.compiled for t in r.step_us["ours"])
+        / max(1e-9, sum(t for r in ours if r.compiled for t in r.step_us["raw"])),
+    }
+    xgr_results = xgr = None
+    if args.xgrammar:
+        phase = time.perf_counter()
+        workers = args.xgrammar_workers or os.cpu_count() or 1
+        xgr_results, left_out = run_xgrammar_files(files, args.tokenizer, bench.ll.vocab_size, workers,
+                                                   args.xgrammar_budget)
+        reached = {r.name for r in xgr_results}
+        results["xgrammar"] = {
+            "version": importlib.metadata.version("xgrammar"),
+            "workers": workers,
+            "budget_s": args.xgrammar_budget,
+            "seconds": round(time.perf_counter() - phase, 1),
+            "files_reached": len(reached),
+            "files_left_out_by_budget": left_out,
+            "xgrammar": summarize(xgr_results),
+            "llguidance_same_files": summarize([r for r in ours if r.name in reached]),
+        }
+        xgrammar_files = XGrammarFiles(hf_tokenizer, bench.ll.vocab_size, compile_threads=args.threads or 8)
+        xgr = xgrammar_files.xgr
+    pool = batch_pool(bench, args.batch_pool, xgr_results)
+    phase = time.perf_counter()
+    if xgr is not None:
+        compile_xgrammar_pool(pool, Path(args.data), xgrammar_files)
+    results["batch"] = {"xgrammar_pool_compile_s": round(time.perf_counter() - phase, 1),
+                        **run_batch(bench, pool, args.batch, args.batch_steps, xgr, args.threads)}
+    results["seconds"] = round(time.perf_counter() - start, 1)
     return results
+
+
+def table(results: dict[str, Any]) -> str:
+    """The headline figures, one line each."""
+    us = lambda d: f"{d['p50_us']:,.0f} / {d['mean_us']:,.0f} / {d['p99_us']:,.0f} us"  # noqa: E731
+    p50_p99 = lambda d: f"{d['p50_us']:,.0f} / {d['p99_us']:,.0f} us"  # noqa: E731
+    lines = [
+        f"{results['files']} files, {results['seconds']} s, {results['machine']}, vocab {results['vocab_size']:,}",
+        f"compiled {results['share_compiled']:.1%}; valid accepted {results['share_valid_accepted_of_compiled']:.2%}"
+        f" of compiled; invalid rejected {results['share_invalid_rejected_of_compiled']:.2%}; "
+        f"mask mismatches {results['mask_mismatches']}",
+        f"step p50/mean/p99: raw {us(results['step']['raw'])}, ours {us(results['step']['ours'])}; "
+        f"ours/raw {results['ours_over_raw_step_time']:.3f}",
+    ]
+    batch = results["batch"]
+    if "skipped" not in batch:
+        lines.append(f"batch {batch['size']} x {batch['steps']} steps ({batch['sequences']} sequences), p50/mean/p99:")
+        lines += [f"  {name:22s} {us(batch[name])}" for name in batch["next_token_disallowed"]]
+    if "xgrammar" in results:
+        x = results["xgrammar"]
+        for name, s in (("xgrammar", x["xgrammar"]), ("llguidance (same)", x["llguidance_same_files"])):
+            lines.append(f"{name}: {s['files']} files, compiled {s['share_compiled']:.1%}, valid accepted "
+                         f"{s['share_valid_accepted_of_compiled']:.2%}, invalid rejected "
+                         f"{s['share_invalid_rejected_of_compiled']:.2%}; p50/p99 first mask "
+                         + ", ".join(f"{p} {p50_p99(d)}" for p, d in s["first_mask"].items()) + "; step "
+                         + ", ".join(f"{p} {p50_p99(d)}" for p, d in s["step"].items()))
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -425,18 +625,23 @@ def main() -> None:
     parser.add_argument("--tokenizer", default="smollm2", help="smollm2 | llama3 | tokenizer.json | HF dir")
     parser.add_argument("--every", type=int, default=1, help="take every N-th file (sorted by name)")
     parser.add_argument("--limit", type=int, default=0, help="at most this many files")
-    parser.add_argument("--threads", type=int, default=None, help="LLExecutor threads (default 80%% of cores)")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--batch-steps", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="LLExecutor and XGrammar batch threads (default 80%% of cores)")
+    parser.add_argument("--batch", type=int, default=64, help="batch slots")
+    parser.add_argument("--batch-steps", type=int, default=2000, help="continuous-batching steps")
+    parser.add_argument("--batch-pool", type=int, default=256, help="distinct sequences the slots cycle through")
     parser.add_argument("--progress", type=int, default=0, help="print progress every N files")
     parser.add_argument("--xgrammar", action="store_true", help="also run XGrammar on the same files")
+    parser.add_argument("--xgrammar-budget", type=float, default=210, help="seconds for XGrammar's files")
+    parser.add_argument("--xgrammar-workers", type=int, default=0, help="processes (default: one per core)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     results = asyncio.run(main_async(args))
-    text = json.dumps(results, indent=2)
-    print(text)
     if args.json:
-        Path(args.json).write_text(text + "\n")
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    else:
+        print(json.dumps(results, indent=2))
+    print(table(results))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ BentoML runs prometheus_client in multiprocess mode (PROMETHEUS_MULTIPROC_DIR is
 environment before it imports the service), so these module-level metrics land in its /metrics with
 its own `bentoml_service_*` ones. Gauges are therefore set, never computed on scrape, and say how
 workers combine. Outside a server (tests, scripts) they are plain in-process metrics.
+A value recorded every engine step goes through a `DeferredHistogram`, which keeps the
+Prometheus write off the step.
 
 Request metrics (tokens, latencies) are taken by `MeteredEngine` around any engine, as the HTTP
 layer sees the tokens; engine state (running, waiting, KV cache, queue time), mask fill and
@@ -12,8 +14,11 @@ grammar compile times come from hooks where that work happens.
 
 from __future__ import annotations
 
+import bisect
+import collections
+import threading
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -44,9 +49,67 @@ e2e_request_latency = Histogram("llgtrt:e2e_request_latency_seconds", "From subm
                                 buckets=_LATENCY_BUCKETS)
 request_queue_time = Histogram("llgtrt:request_queue_time_seconds", "Time waiting for a batch slot.",
                                buckets=_LATENCY_BUCKETS)
-mask_fill_time = Histogram("llgtrt:grammar_mask_fill_seconds",
-                           "One engine step's token-mask computation for all its constrained rows.",
-                           buckets=_MASK_FILL_BUCKETS)
+
+
+class DeferredHistogram:
+    """A Histogram for values recorded on a hot path: `observe` only appends to a deque (~0.1 us;
+    Histogram.observe takes ~0.7 us, ~2 us in multiprocess mode, where each value goes through a
+    lock and an mmap write). A daemon thread, started by the first value, folds the pending values
+    into the histogram every `period` seconds with one increment per bucket touched, so /metrics
+    shows the same histogram, at most `period` late. Every value counts (sampling would not keep
+    `_count` and `_sum` exact), and a scrape-time collector would not work: in multiprocess mode
+    /metrics reads the workers' mmap files, not their registries."""
+
+    def __init__(self, histogram: Histogram, period: float = 0.5) -> None:
+        self.histogram = histogram
+        self.period = period
+        self._pending: collections.deque[float] = collections.deque()  # append/popleft: thread-safe
+        self._folder: Optional[threading.Thread] = None
+        self._lock = threading.Lock()  # one folder thread; one flush at a time
+
+    def observe(self, amount: float) -> None:
+        self._pending.append(amount)
+        if self._folder is None:
+            self._start_folder()
+
+    def flush(self) -> None:
+        """Fold every pending value into the histogram now."""
+        with self._lock:
+            pending = self._pending
+            values = [pending.popleft() for _ in range(len(pending))]
+            if values:
+                observe_many(self.histogram, values)
+
+    def _start_folder(self) -> None:
+        with self._lock:
+            if self._folder is None:
+                self._folder = threading.Thread(target=self._fold_forever, name="metrics-fold", daemon=True)
+                self._folder.start()
+
+    def _fold_forever(self) -> None:
+        while True:
+            time.sleep(self.period)
+            self.flush()
+
+
+def observe_many(histogram: Histogram, values: list[float]) -> None:
+    """`histogram.observe(v)` for every v, with one increment per bucket touched. prometheus_client
+    has no public bulk call, so this uses the fields `observe` itself uses (`_upper_bounds`,
+    `_buckets`, `_sum`); tests check the result equals one `observe` per value."""
+    ordered = sorted(values)
+    histogram._sum.inc(sum(ordered))
+    below = 0
+    for bound, bucket in zip(histogram._upper_bounds, histogram._buckets):
+        up_to = bisect.bisect_right(ordered, bound)  # observe's bucket: the first bound >= v
+        if up_to > below:
+            bucket.inc(up_to - below)
+            below = up_to
+
+
+mask_fill_time = DeferredHistogram(Histogram(
+    "llgtrt:grammar_mask_fill_seconds",
+    "One engine step's token-mask computation for all its constrained rows.",
+    buckets=_MASK_FILL_BUCKETS))
 grammar_compile_time = Histogram("llgtrt:grammar_compile_seconds", "Compiling one grammar (cache misses).",
                                  buckets=_COMPILE_BUCKETS)
 requests_rejected = Counter("llgtrt:requests_rejected", "HTTP requests refused before reaching the engine.",

@@ -4,14 +4,18 @@ For every schema: it compiles, or fails with GrammarRequestError carrying llguid
 message (never another exception). For every valid instance, serialized the way the default
 grammar wants (compact JSON), each token is allowed by the mask our post-processor fills,
 step by step, and EOS is allowed at the end; every invalid instance is refused at some step
-or at the end. A fixed sample runs in CI; every file runs under `-m slow`.
+or at the end. A fixed sample runs in CI; every file runs under `-m slow`. The benchmark's
+continuous batching (bench/maskbench.py) is checked here for correctness, not speed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Optional
 
 import llguidance
@@ -153,3 +157,68 @@ def test_every_file_conforms(checker: Checker):
     """Every file but KNOWN_DEVIATIONS (which still must compile or raise GrammarRequestError)."""
     failures = [failure for path in FILES for failure in checker.check_file(path)]
     assert failures == [], f"{len(failures)} failures:\n" + "\n".join(failures[:50])
+
+
+def load_maskbench() -> ModuleType:
+    """bench/maskbench.py, loaded from its path (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "maskbench_script", Path(__file__).resolve().parent.parent / "bench" / "maskbench.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+maskbench = load_maskbench()
+BATCH_FILES = SAMPLE[:10]  # quick for XGrammar too: SAMPLE[11] takes it 30 s to compile
+
+
+def test_batch_schedule_gives_a_finished_slot_the_next_sequence():
+    # Sequences of 1 and 2 tokens take 2 and 3 steps; sequence k replays pool entry k % 2.
+    assert maskbench.batch_schedule([1, 2], size=2, steps=5) == [
+        [(0, 0), (1, 0)], [(0, 1), (1, 1)], [(2, 0), (1, 2)], [(2, 1), (3, 0)], [(4, 0), (3, 1)]]
+
+
+def test_spread_order_reaches_every_part_of_the_folder_first():
+    order = maskbench.spread_order(list(range(200)), stride=64)
+    assert order[:4] == [0, 64, 128, 192] and order[4:7] == [1, 65, 129]
+    assert sorted(order) == list(range(200))
+
+
+@pytest.fixture(scope="module")
+def bench(smollm2_tokenizer_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    bench = maskbench.Bench(AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir)), threads=2)
+    bench.results = [asyncio.run(bench.run_file(path, raw_first=i % 2 == 0)) for i, path in enumerate(BATCH_FILES)]
+    return bench
+
+
+@NO_DATA
+def test_continuous_batch_masks_agree_and_allow_every_next_token(bench: Any):
+    summary = maskbench.summarize(bench.results)
+    assert summary["schemas_compiled"] >= 6 and summary["mask_mismatches"] == 0
+    pool = maskbench.batch_pool(bench, 8, None)
+    assert len(pool) >= 4
+    batch = maskbench.run_batch(bench, pool, size=4, steps=60)
+    assert batch["sequences"] > 4  # slots were refilled
+    assert batch["mask_mismatches_ours_vs_llguidance"] == 0
+    assert batch["next_token_disallowed"] == {"ours": 0, "llguidance_par": 0, "llguidance_one_thread": 0}
+    assert batch["ours"]["n"] == 60
+
+
+@NO_DATA
+def test_xgrammar_runs_the_same_files_and_batch(bench: Any):
+    pytest.importorskip("xgrammar")
+    xgrammar_files = maskbench.XGrammarFiles(bench.hf, bench.ll.vocab_size)
+    results = [xgrammar_files.run_file(path) for path in BATCH_FILES]
+    summary = maskbench.summarize(results)
+    assert summary["files"] == len(BATCH_FILES) and summary["schemas_compiled"] >= 6
+    assert summary["step"]["xgrammar"]["n"] > 0
+    pool = maskbench.batch_pool(bench, 8, results)
+    assert pool and all(sequence.name in {r.name for r in results if r.compiled} for sequence in pool)
+    maskbench.compile_xgrammar_pool(pool, DATA, xgrammar_files)
+    batch = maskbench.run_batch(bench, pool, size=4, steps=30, xgr=xgrammar_files.xgr, threads=2)
+    assert set(batch["next_token_disallowed"].values()) == {0}
+    assert batch["xgrammar_batch"]["n"] == batch["xgrammar_one_thread"]["n"] == 30

@@ -10,9 +10,11 @@ from typing import Iterator
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from bento_server import BentoServer, bentoml_serve
+from llgtrt_core.metrics import DeferredHistogram, observe_many
 
 API_KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -128,6 +130,18 @@ def _samples(server: BentoServer) -> dict[str, float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def _samples_once_grown(server: BentoServer, before: dict[str, float], name: str,
+                        timeout: float = 5.0) -> dict[str, float]:
+    """The samples once `name` has grown past `before`, or at `timeout`: the engine thread records
+    its state after the step, and mask-fill times are folded in every half second."""
+    deadline = time.monotonic() + timeout
+    while True:
+        time.sleep(0.5)
+        after = _samples(server)
+        if after.get(name, 0.0) > before.get(name, 0.0) or time.monotonic() > deadline:
+            return after
+
+
 def test_metrics_count_requests_tokens_and_latencies(prod: BentoServer) -> None:
     before = _samples(prod)
     constrained = completion("A JSON object:", max_tokens=12,
@@ -136,8 +150,7 @@ def test_metrics_count_requests_tokens_and_latencies(prod: BentoServer) -> None:
     for body in (completion(max_tokens=5), constrained):
         response = httpx.post(f"{prod.url}/v1/completions", json=body, headers=AUTH, timeout=60)
         assert response.status_code == 200
-    time.sleep(0.5)  # the engine thread records its state after the step
-    after = _samples(prod)
+    after = _samples_once_grown(prod, before, "llgtrt:grammar_mask_fill_seconds_count")
 
     def grew(name: str) -> float:
         return after[name] - before.get(name, 0.0)
@@ -167,3 +180,38 @@ def test_running_and_kv_usage_gauges_move_while_generating(prod: BentoServer) ->
         during = _samples(prod)
     assert during["llgtrt:num_requests_running"] == 1
     assert 0 < during["llgtrt:kv_cache_usage_perc"] < 1
+
+
+def _histogram_samples(registry: CollectorRegistry) -> dict[str, float]:
+    return {f"{s.name}{s.labels.get('le', '')}": s.value
+            for family in registry.collect() for s in family.samples if not s.name.endswith("_created")}
+
+
+# Below, at and above bounds, and past the last one (+Inf).
+VALUES = [0.00005, 0.0001, 0.0001001, 0.0007, 0.0025, 0.003, 0.3, 1.0, 7.0, 0.00002]
+
+
+def test_observe_many_equals_one_observe_per_value() -> None:
+    one_by_one, bulk = CollectorRegistry(), CollectorRegistry()
+    buckets = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.25, 1.0)
+    expected = Histogram("h_seconds", "h", buckets=buckets, registry=one_by_one)
+    for value in VALUES:
+        expected.observe(value)
+    observe_many(Histogram("h_seconds", "h", buckets=buckets, registry=bulk), VALUES)
+    want, got = _histogram_samples(one_by_one), _histogram_samples(bulk)
+    assert got.keys() == want.keys() and got["h_seconds_count"] == len(VALUES)
+    assert got == pytest.approx(want)
+
+
+def test_a_deferred_histogram_reports_every_value_within_its_period() -> None:
+    registry = CollectorRegistry()
+    deferred = DeferredHistogram(Histogram("d_seconds", "d", buckets=(0.001, 0.01), registry=registry), period=0.05)
+    for value in VALUES:
+        deferred.observe(value)
+    deadline = time.monotonic() + 5
+    while _histogram_samples(registry)["d_seconds_count"] < len(VALUES) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the fold thread's work, not ours: observe only appended
+    samples = _histogram_samples(registry)
+    assert samples["d_seconds_count"] == len(VALUES)
+    assert samples["d_seconds_sum"] == pytest.approx(sum(VALUES))
+    assert samples["d_seconds_bucket0.001"] == sum(v <= 0.001 for v in VALUES)
