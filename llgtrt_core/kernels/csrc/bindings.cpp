@@ -19,6 +19,14 @@ uint32_t negative_infinity_bits(at::ScalarType dtype) {
   }
 }
 
+// The row indices of a mixed batch (mask row j -> logits row rows[j]), as both ops take them.
+const int64_t* check_rows(const torch::Tensor& rows, const torch::Tensor& logits) {
+  TORCH_CHECK(rows.device() == logits.device() && rows.dim() == 1 && rows.scalar_type() == at::kLong &&
+                  rows.is_contiguous(),
+              "rows must be a contiguous 1-D int64 tensor on the logits' device");
+  return rows.data_ptr<int64_t>();
+}
+
 void apply_token_bitmask_inplace(torch::Tensor logits, torch::Tensor bitmask, c10::optional<torch::Tensor> rows,
                                  bool whole_sectors) {
   TORCH_CHECK(logits.is_cuda() && logits.dim() == 2, "logits must be a 2-D CUDA tensor");
@@ -39,10 +47,7 @@ void apply_token_bitmask_inplace(torch::Tensor logits, torch::Tensor bitmask, c1
   args.mask_row_stride = bitmask.stride(0);
   args.mask_words = static_cast<int>(bitmask.size(1));
   if (rows.has_value()) {
-    TORCH_CHECK(rows->device() == logits.device() && rows->dim() == 1 && rows->scalar_type() == at::kLong &&
-                    rows->is_contiguous(),
-                "rows must be a contiguous 1-D int64 tensor on the logits' device");
-    args.rows = rows->data_ptr<int64_t>();
+    args.rows = check_rows(*rows, logits);
     args.mask_rows = rows->numel();
   }
   TORCH_CHECK(bitmask.size(0) == args.mask_rows, "bitmask has ", bitmask.size(0), " rows, expected ", args.mask_rows);
@@ -88,10 +93,7 @@ torch::Tensor sample_with_bitmask(torch::Tensor logits, torch::Tensor temperatur
     args.mask_words = static_cast<int>(bitmask->size(1));
     args.mask_rows = batch;
     if (rows.has_value()) {
-      TORCH_CHECK(rows->device() == logits.device() && rows->dim() == 1 && rows->scalar_type() == at::kLong &&
-                      rows->is_contiguous(),
-                  "rows must be a contiguous 1-D int64 tensor on the logits' device");
-      args.rows = rows->data_ptr<int64_t>();
+      args.rows = check_rows(*rows, logits);
       args.mask_rows = rows->numel();
     }
     TORCH_CHECK(bitmask->size(0) == args.mask_rows, "bitmask has ", bitmask->size(0), " rows, expected ",
