@@ -11,18 +11,20 @@ server's cache, as a schema that many requests share would be.
 For each --batch B, each round sends B unconstrained requests at once and B constrained ones at
 once (which goes first alternates by round, so a shared machine's drift hits both alike). TBT is
 the time between content chunks, TTFT from sending to the first content chunk, both streamed
-(SSE) as in bench/http_load.py. Reported: median TBT constrained / unconstrained, and the TTFT
-overhead p50 (p50 constrained - p50 unconstrained), with the engine's mask-fill time per step
-from the server's /metrics (`llgtrt:grammar_mask_fill_seconds`).
+(SSE) by client processes as in bench/http_load.py. Reported: median TBT constrained /
+unconstrained; the same for the time per output token of each request (first to last chunk over
+its tokens after the first), which unlike TBT does not change when the grammar's forced tokens
+arrive several to a chunk; the TTFT overhead p50 (p50 constrained - p50 unconstrained); and the
+engine's mask-fill time per step from the server's /metrics (`llgtrt:grammar_mask_fill_seconds`).
 
     python bench/constrained_tbt.py --batch 1,8 --max-tokens 32                       # CPU
-    python bench/constrained_tbt.py --batch 1,8,64,128 --max-batch-size 128 --device cuda
+    python bench/constrained_tbt.py --bentoml-home /tmp/llama-home --model llama3-8b-random \
+        --max-batch-size 256 --max-model-len 2048 --batch 1,8,64,128 --data .serve_whl/maskbench   # GPU
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import sys
@@ -35,16 +37,18 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from http_load import (  # noqa: E402
+    ClientProcesses,
     Histogram,
     StreamResult,
     add_server_arguments,
+    default_processes,
     machine,
     ms,
     new_client,
     percentile,
     read_histogram,
+    run_main,
     served_model,
-    server_env,
     server_url,
     stream_chat,
 )
@@ -101,22 +105,26 @@ async def mask_fill(client: httpx.AsyncClient, url: str) -> Histogram:
     return read_histogram((await client.get(f"{url}/metrics")).text, MASK_FILL)
 
 
-async def wave(client: httpx.AsyncClient, url: str, bodies: list[dict[str, Any]]) -> list[StreamResult]:
-    return list(await asyncio.gather(*(stream_chat(client, url, body) for body in bodies)))
+def time_per_output_token(result: StreamResult) -> float:
+    """First to last content chunk over the tokens after the first: unlike the gaps between chunks,
+    it does not depend on how many tokens one chunk carries (forced tokens may share one)."""
+    return sum(result.gaps) / (result.tokens - 1) if result.tokens > 1 else float("nan")
 
 
 def stats(results: list[StreamResult]) -> dict[str, Any]:
     ok = [r for r in results if r.error is None]
     return {"tbt_p50": percentile([g for r in ok for g in r.gaps], 50),
             "tbt_p99": percentile([g for r in ok for g in r.gaps], 99),
+            "tpot_p50": percentile([time_per_output_token(r) for r in ok if r.tokens > 1], 50),
+            "tokens_per_chunk": sum(r.tokens for r in ok) / max(sum(r.chunks for r in ok), 1),
             "ttft_p50": percentile([r.ttft for r in ok if r.ttft is not None], 50),
             "tokens_per_request": sum(r.tokens for r in ok) / max(len(ok), 1),
             "errors": len(results) - len(ok),
             "error_samples": sorted({r.error for r in results if r.error})[:3]}
 
 
-async def measure_batch(client: httpx.AsyncClient, url: str, model: str, batch: int, rounds: int,
-                        schemas: list[tuple[str, dict[str, Any]]], max_tokens: int) -> dict[str, Any]:
+async def measure_batch(client: httpx.AsyncClient, pool: ClientProcesses, url: str, model: str, batch: int,
+                        rounds: int, schemas: list[tuple[str, dict[str, Any]]], max_tokens: int) -> dict[str, Any]:
     picked = [schemas[i % len(schemas)][1] for i in range(batch)]
     plain = [chat_body(model, s, max_tokens, constrained=False) for s in picked]
     constrained = [chat_body(model, s, max_tokens, constrained=True) for s in picked]
@@ -124,23 +132,26 @@ async def measure_batch(client: httpx.AsyncClient, url: str, model: str, batch: 
     mask_before = await mask_fill(client, url)
     for round_index in range(rounds):
         for is_constrained in ((False, True) if round_index % 2 == 0 else (True, False)):
-            results[is_constrained] += await wave(client, url, constrained if is_constrained else plain)
+            results[is_constrained] += (await pool.run(url, constrained if is_constrained else plain))[0]
     mask = (await mask_fill(client, url)).minus(mask_before)
     off, on = stats(results[False]), stats(results[True])
     return {"batch": batch, "unconstrained": off, "constrained": on,
-            "tbt_ratio": on["tbt_p50"] / off["tbt_p50"], "ttft_overhead_p50": on["ttft_p50"] - off["ttft_p50"],
+            "tbt_ratio": on["tbt_p50"] / off["tbt_p50"], "tpot_ratio": on["tpot_p50"] / off["tpot_p50"],
+            "ttft_overhead_p50": on["ttft_p50"] - off["ttft_p50"],
             "mask_fill_mean": mask.mean(), "mask_fill_steps": mask.count}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print("\n| batch | TBT p50 unconstrained ms | TBT p50 constrained ms | ratio | TBT p99 unc. / con. ms | "
+          "time per output token p50 unc. / con. ms | ratio | tokens per chunk unc. / con. | "
           "TTFT p50 unconstrained ms | TTFT p50 constrained ms | TTFT overhead p50 ms | mask fill per step ms | "
           "tokens/request unc. / con. | errors |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         off, on = r["unconstrained"], r["constrained"]
         print(f"| {r['batch']} | {ms(off['tbt_p50'])} | {ms(on['tbt_p50'])} | {r['tbt_ratio']:.3f} | "
-              f"{ms(off['tbt_p99'])} / {ms(on['tbt_p99'])} | {ms(off['ttft_p50'])} | {ms(on['ttft_p50'])} | "
+              f"{ms(off['tbt_p99'])} / {ms(on['tbt_p99'])} | {ms(off['tpot_p50'])} / {ms(on['tpot_p50'])} | "
+              f"{r['tpot_ratio']:.3f} | {off['tokens_per_chunk']:.2f} / {on['tokens_per_chunk']:.2f} | {ms(off['ttft_p50'])} | {ms(on['ttft_p50'])} | "
               f"{r['ttft_overhead_p50'] * 1e3:+.1f} | {1e3 * r['mask_fill_mean']:.3f} | "
               f"{off['tokens_per_request']:.1f} / {on['tokens_per_request']:.1f} | "
               f"{off['errors'] + on['errors']} |")
@@ -149,8 +160,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     batches = [int(b) for b in args.batch.split(",")]
     candidates = schema_candidates(args.data, args.max_schema_chars, args.seed)
-    with server_url(args.url, args.bentoml_home, server_env(args)) as url:
-        async with new_client(max(batches), args.request_timeout) as client:
+    with server_url(args) as url:
+        async with new_client(4, args.request_timeout) as client:
             model = await served_model(client, url)
             started = time.perf_counter()
             schemas, first_ttfts, refused = await compiling_schemas(
@@ -158,17 +169,23 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{machine()}; {len(schemas)} schemas compiled ({refused} refused with 400) in "
                   f"{time.perf_counter() - started:.1f} s; first-sight TTFT (compile included) "
                   f"p50 {ms(percentile(first_ttfts, 50))} ms, max {ms(max(first_ttfts))} ms", flush=True)
+            pool = ClientProcesses(args.client_processes or default_processes(max(batches)), args.request_timeout)
             rows = []
-            for batch in batches:
-                started = time.perf_counter()
-                rows.append(await measure_batch(client, url, model, batch, args.rounds, schemas, args.max_tokens))
-                r = rows[-1]
-                print(f"batch {batch}: {time.perf_counter() - started:.1f} s, TBT ratio {r['tbt_ratio']:.3f}, "
-                      f"TTFT overhead p50 {r['ttft_overhead_p50'] * 1e3:+.1f} ms", flush=True)
+            try:
+                for batch in batches:
+                    started = time.perf_counter()
+                    rows.append(await measure_batch(client, pool, url, model, batch, args.rounds, schemas,
+                                                    args.max_tokens))
+                    r = rows[-1]
+                    print(f"batch {batch}: {time.perf_counter() - started:.1f} s, TBT ratio {r['tbt_ratio']:.3f}, "
+                          f"time per output token ratio {r['tpot_ratio']:.3f}, "
+                          f"TTFT overhead p50 {r['ttft_overhead_p50'] * 1e3:+.1f} ms", flush=True)
+            finally:
+                pool.close()
     print_table(rows)
     print(f"load average after: {machine()}")
-    return {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
-            "schemas": [name for name, _ in schemas], "first_sight_ttft": first_ttfts, "rows": rows}
+    return {"client_processes": pool.processes, "schemas": [name for name, _ in schemas],
+            "first_sight_ttft": first_ttfts, "rows": rows}
 
 
 def main() -> None:
@@ -182,12 +199,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile-budget", type=float, default=300, help="seconds for finding the schemas")
-    parser.add_argument("--request-timeout", type=float, default=300)
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
-    args = parser.parse_args()
-    report = asyncio.run(main_async(args))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+    run_main(parser, main_async)
 
 
 if __name__ == "__main__":

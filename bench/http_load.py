@@ -1,7 +1,10 @@
 """HTTP load test: N concurrent streaming chat clients against `bentoml serve`.
 
 Each client streams /v1/chat/completions (SSE) in a closed loop, one request after another,
-for --seconds or until --requests have been sent. Reported, from the client's side:
+for --seconds or until --requests have been sent. The clients are spread over processes
+(--client-processes; default one per 32 streams, at most half the cores), so that parsing the
+SSE chunks of 256 streams does not queue up in one Python process and show as server latency.
+Reported, from the client's side:
 TTFT (request sent -> first content chunk) and TBT (time between content chunks) p50/p99,
 streamed tokens/s across all streams (usage.completion_tokens of finished requests / wall
 time), and errors (non-200 answers, error events, broken streams).
@@ -17,6 +20,8 @@ shows in TTFT and in the TBT spread, while a layer too slow to keep up raises bo
 
     python bench/http_load.py                                   # starts its own server (loopback)
     python bench/http_load.py --url http://127.0.0.1:3000 --clients 256 --seconds 60
+    python bench/http_load.py --bentoml-home /tmp/llama-home --model llama3-8b-random \
+        --max-batch-size 256 --max-model-len 2048 --clients 256      # a GPU, bench/random_checkpoint.py's model
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import platform
 import re
@@ -33,9 +39,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Awaitable, Callable, Iterator, Optional
 from urllib.parse import urlparse
 
 import httpx
@@ -59,6 +66,7 @@ QUESTIONS = (
 )
 ENGINE_TTFT = "llgtrt:time_to_first_token_seconds"
 ENGINE_ITL = "llgtrt:inter_token_latency_seconds"
+STREAMS_PER_PROCESS = 32
 
 
 @dataclass
@@ -217,39 +225,44 @@ def default_model_packed(bentoml_home: Path) -> bool:
 
 
 @contextlib.contextmanager
-def server_url(url: Optional[str], bentoml_home: Path, env: dict[str, str]) -> Iterator[str]:
-    """`url` as given, or `bentoml serve .` on a free loopback port (the default model packed first)."""
-    if url:
-        if urlparse(url).hostname not in ("127.0.0.1", "localhost", "::1"):
-            raise SystemExit(f"loopback only: {url}")
-        yield url.rstrip("/")
+def server_url(args: argparse.Namespace) -> Iterator[str]:
+    """--url as given, or `bentoml serve .` on a free loopback port serving --model from --bentoml-home
+    (without --model, the default model, packed there first)."""
+    if args.url:
+        if urlparse(args.url).hostname not in ("127.0.0.1", "localhost", "::1"):
+            raise SystemExit(f"loopback only: {args.url}")
+        yield args.url.rstrip("/")
         return
-    if not default_model_packed(bentoml_home):
-        print(f"packing the default model into {bentoml_home} ...", flush=True)
+    if not args.model and not default_model_packed(args.bentoml_home):
+        print(f"packing the default model into {args.bentoml_home} ...", flush=True)
         subprocess.run([sys.executable, "pack_model.py"], cwd=REPO_ROOT, check=True, timeout=PACK_TIMEOUT_S,
-                       env={**os.environ, "BENTOML_HOME": str(bentoml_home), "BENTOML_DO_NOT_TRACK": "true"})
-    log = Path(tempfile.mkdtemp(prefix="http-load-")) / "bentoml-serve.log"
+                       env={**os.environ, "BENTOML_HOME": str(args.bentoml_home), "BENTOML_DO_NOT_TRACK": "true"})
+    log = args.server_log or Path(tempfile.mkdtemp(prefix="http-load-")) / "bentoml-serve.log"
     print(f"starting bentoml serve (log {log}) ...", flush=True)
-    with bentoml_serve(".", bentoml_home, log, env=env) as server:
+    started = time.monotonic()
+    with bentoml_serve(".", args.bentoml_home, log, env=server_env(args)) as server:
+        print(f"server ready after {time.monotonic() - started:.0f} s", flush=True)
         yield server.url
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=None, help="a running server on loopback (default: start one)")
     parser.add_argument("--bentoml-home", type=Path, default=Path(tempfile.gettempdir()) / "llgtrt-bench-home",
-                        help="model store of the server started here (the default model is packed into it)")
+                        help="model store of the server started here")
+    parser.add_argument("--model", default=None, help="LLGTRT_MODEL: a tag in --bentoml-home, e.g. one "
+                        "bench/random_checkpoint.py stored (default: the default model, packed first)")
     parser.add_argument("--max-batch-size", type=int, default=None,
                         help="LLGTRT_MAX_BATCH_SIZE of the server started here (server default: 8)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="LLGTRT_MAX_MODEL_LEN of the server started here (default: the model's context)")
     parser.add_argument("--device", default=None, help="LLGTRT_DEVICE of the server started here")
+    parser.add_argument("--server-log", type=Path, default=None, help="its log (default: a temporary file)")
 
 
 def server_env(args: argparse.Namespace) -> dict[str, str]:
-    env = {}
-    if args.max_batch_size:
-        env["LLGTRT_MAX_BATCH_SIZE"] = str(args.max_batch_size)
-    if args.device:
-        env["LLGTRT_DEVICE"] = args.device
-    return env
+    variables = {"LLGTRT_MODEL": args.model, "LLGTRT_MAX_BATCH_SIZE": args.max_batch_size,
+                 "LLGTRT_MAX_MODEL_LEN": args.max_model_len, "LLGTRT_DEVICE": args.device}
+    return {name: str(value) for name, value in variables.items() if value}
 
 
 async def served_model(client: httpx.AsyncClient, url: str) -> str:
@@ -265,27 +278,88 @@ def machine() -> str:
     return f"{platform.node()}, {os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
 
 
-# --- the load test ---------------------------------------------------------------------------
+# --- client processes ------------------------------------------------------------------------
 
-async def load(client: httpx.AsyncClient, url: str, model: str, clients: int, seconds: float,
-               requests: Optional[int], max_tokens: int) -> tuple[list[StreamResult], float]:
-    """`clients` closed loops until the deadline (no new request after it) or `requests` sent."""
+@dataclass(frozen=True)
+class StreamJob:
+    """The streams one client process runs, all starting at `start_at` (time.monotonic, shared by
+    the processes of one machine): each body once, or each in a closed loop until `deadline`."""
+
+    url: str
+    bodies: list[dict[str, Any]]
+    start_at: float
+    deadline: Optional[float]
+    requests: Optional[int]  # this process's share of a request cap
+    timeout_s: float
+
+
+async def run_streams(job: StreamJob) -> list[StreamResult]:
     results: list[StreamResult] = []
     sent = 0
-    start = time.perf_counter()
-    deadline = start + seconds
+    async with new_client(len(job.bodies), job.timeout_s) as client:
+        await asyncio.sleep(max(0.0, job.start_at - time.monotonic()))
 
-    async def client_loop(index: int) -> None:
-        nonlocal sent
-        while time.perf_counter() < deadline and (requests is None or sent < requests):
-            question = QUESTIONS[(index + sent) % len(QUESTIONS)]
-            sent += 1
-            body = {"model": model, "messages": [{"role": "user", "content": question}],
-                    "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-            results.append(await stream_chat(client, url, body))
+        async def stream_loop(body: dict[str, Any]) -> None:
+            nonlocal sent
+            while job.requests is None or sent < job.requests:
+                sent += 1
+                results.append(await stream_chat(client, job.url, body))
+                if job.deadline is None or time.monotonic() >= job.deadline:
+                    return
 
-    await asyncio.gather(*(client_loop(i) for i in range(clients)))
-    return results, time.perf_counter() - start
+        await asyncio.gather(*(stream_loop(body) for body in job.bodies))
+    return results
+
+
+def run_stream_job(job: StreamJob) -> list[StreamResult]:
+    return asyncio.run(run_streams(job))
+
+
+def _spawned() -> None:
+    time.sleep(0.2)  # long enough that each of the pool's first jobs lands on a worker of its own
+
+
+class ClientProcesses:
+    """Streaming clients spread over processes: one Python process parses SSE chunks at a bounded rate
+    (httpx + json, tens of microseconds each), and a client that falls behind adds its own delay to
+    every TBT it reports. Workers are spawned (and import httpx) once, before any timing."""
+
+    def __init__(self, processes: int, timeout_s: float) -> None:
+        self.processes = processes
+        self.timeout_s = timeout_s
+        self.pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+        for future in [self.pool.submit(_spawned) for _ in range(processes)]:
+            future.result()
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+    async def run(self, url: str, bodies: list[dict[str, Any]], seconds: Optional[float] = None,
+                  requests: Optional[int] = None) -> tuple[list[StreamResult], float]:
+        """Every body as one stream, dealt round-robin to the processes: sent once each, or in closed
+        loops for `seconds` (no new request after), stopping sooner once about `requests` are sent.
+        Returns the results and the seconds from the common start to the last stream's end."""
+        parts = [bodies[i::self.processes] for i in range(min(self.processes, len(bodies)))]
+        start_at = time.monotonic() + 0.1 * len(parts)  # each submit and its pickling land before the start
+        deadline = start_at + seconds if seconds is not None else None
+        jobs = [StreamJob(url, part, start_at, deadline,
+                          None if requests is None else -(-requests * len(part) // len(bodies)), self.timeout_s)
+                for part in parts]
+        loop = asyncio.get_running_loop()
+        done = await asyncio.gather(*(loop.run_in_executor(self.pool, run_stream_job, job) for job in jobs))
+        return [r for part in done for r in part], time.monotonic() - start_at
+
+
+def default_processes(streams: int) -> int:
+    """A process per STREAMS_PER_PROCESS concurrent streams, leaving half the cores to the server."""
+    return max(1, min(-(-streams // STREAMS_PER_PROCESS), (os.cpu_count() or 2) // 2))
+
+
+# --- the load test ---------------------------------------------------------------------------
+
+def chat_bodies(model: str, clients: int, max_tokens: int) -> list[dict[str, Any]]:
+    return [{"model": model, "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+             "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True} for i in range(clients)]
 
 
 def ms(seconds: float) -> str:
@@ -312,22 +386,41 @@ def print_report(client: dict[str, Any], server: dict[str, Any]) -> None:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    with server_url(args.url, args.bentoml_home, server_env(args)) as url:
-        async with new_client(args.clients, args.request_timeout) as client:
+    with server_url(args) as url:
+        async with new_client(4, args.request_timeout) as client:
             model = await served_model(client, url)
-            await load(client, url, model, min(args.clients, 2), 60, 2, 4)  # warm-up: first-request work
-            print(f"{machine()}; {args.clients} clients, max_tokens {args.max_tokens}, "
-                  f"{'%d requests' % args.requests if args.requests else '%g s' % args.seconds}", flush=True)
-            before = await engine_histograms(client, url)
-            results, seconds = await load(client, url, model, args.clients, args.seconds, args.requests,
-                                          args.max_tokens)
-            after = await engine_histograms(client, url)
+            pool = ClientProcesses(args.client_processes or default_processes(args.clients), args.request_timeout)
+            try:
+                await pool.run(url, chat_bodies(model, min(args.clients, 2), 4))  # warm-up: first-request work
+                print(f"{machine()}; {args.clients} clients in {pool.processes} processes, max_tokens "
+                      f"{args.max_tokens}, {'%d requests' % args.requests if args.requests else '%g s' % args.seconds}",
+                      flush=True)
+                before = await engine_histograms(client, url)
+                results, seconds = await pool.run(url, chat_bodies(model, args.clients, args.max_tokens),
+                                                  args.seconds, args.requests)
+                after = await engine_histograms(client, url)
+            finally:
+                pool.close()
     client_side = summarize(results, seconds)
     server_side = engine_vs_client(before, after, client_side)
     print(f"ran {seconds:.1f} s; load average after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print_report(client_side, server_side)
-    return {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "seconds": seconds,
-            "client": client_side, "server": server_side}
+    return {"client_processes": pool.processes, "seconds": seconds, "client": client_side, "server": server_side}
+
+
+def run_main(parser: argparse.ArgumentParser, main_async: Callable[[argparse.Namespace], Awaitable[dict]]) -> None:
+    """The common tail of the HTTP benchmarks: client options, run, report as JSON."""
+    parser.add_argument("--client-processes", type=int, default=None,
+                        help=f"processes the streams are spread over (default: one per {STREAMS_PER_PROCESS} "
+                             "streams, at most half the cores)")
+    parser.add_argument("--request-timeout", type=float, default=300)
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
+    args = parser.parse_args()
+    report = {"args": {k: str(v) for k, v in vars(args).items()}, **asyncio.run(main_async(args)),
+              "machine": machine()}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
 
 
 def main() -> None:
@@ -335,14 +428,9 @@ def main() -> None:
     add_server_arguments(parser)
     parser.add_argument("--clients", type=int, default=16, help="concurrent streams (the GPU goal is 256)")
     parser.add_argument("--seconds", type=float, default=60, help="no new request after this")
-    parser.add_argument("--requests", type=int, default=None, help="stop after this many requests")
+    parser.add_argument("--requests", type=int, default=None, help="stop sooner after about this many requests")
     parser.add_argument("--max-tokens", type=int, default=64, help="per request (ignore_eos: all of them)")
-    parser.add_argument("--request-timeout", type=float, default=300)
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
-    args = parser.parse_args()
-    report = asyncio.run(main_async(args))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+    run_main(parser, main_async)
 
 
 if __name__ == "__main__":
