@@ -23,24 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine_decode import copy_bandwidth  # noqa: E402  (bench/ is the script's folder)
+from engine_decode import copy_bandwidth, replay_ms  # noqa: E402  (bench/ is the script's folder)
 from llama3 import LLAMA3_8B  # noqa: E402
 from llgtrt_core.engine.decode_graphs import DecodeGraphs  # noqa: E402
 from llgtrt_core.engine.kv_cache import KVCache  # noqa: E402
 from llgtrt_core.models.llama import LlamaForCausalLM, ModelConfig  # noqa: E402
 from llgtrt_core.models.loader import random_model  # noqa: E402
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 20) -> float:
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def plain_graph(model: LlamaForCausalLM, cache: KVCache, token_ids: torch.Tensor, positions: torch.Tensor,
