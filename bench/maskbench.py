@@ -32,6 +32,7 @@ import json
 import multiprocessing
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -373,8 +374,10 @@ class XGrammarBatch:
 def run_batch(bench: Bench, pool: list[BatchSequence], size: int, steps: int,
               xgr: Any = None, threads: Optional[int] = None) -> dict[str, Any]:
     """`size` slots stepped `steps` times with continuous batching; each step every
-    implementation commits its rows' previous tokens and fills their masks (timed), in
-    rotating order so all see the same load. Checked untimed: our masks equal llguidance's,
+    implementation commits its rows' previous tokens and fills their masks (timed), in an order
+    shuffled every step (seeded): a runner that follows one doing the same llguidance work finds
+    its caches warm, and with a rotating order each runner always followed the same one (llguidance
+    direct always followed ours). Checked untimed: our masks equal llguidance's,
     and every slot's next token (or EOS) is allowed by every implementation."""
     if not pool:
         return {"skipped": "no sequence to batch"}
@@ -388,7 +391,8 @@ def run_batch(bench: Bench, pool: list[BatchSequence], size: int, steps: int,
     times: dict[str, list[float]] = {r.name: [] for r in runners}
     disallowed = {r.name: 0 for r in runners}
     mismatches = 0
-    for step, slots in enumerate(schedule):
+    order = random.Random(0)
+    for slots in schedule:
         previous: list[Optional[int]] = []
         expected: list[int] = []
         for slot, (k, position) in enumerate(slots):
@@ -399,8 +403,7 @@ def run_batch(bench: Bench, pool: list[BatchSequence], size: int, steps: int,
             previous.append(sequence.tokens[position - 1] if position else None)
             expected.append(sequence.tokens[position] if position < len(sequence.tokens) else bench.eos)
         masks = {}
-        for i in range(len(runners)):
-            runner = runners[(step + i) % len(runners)]
+        for runner in order.sample(runners, len(runners)):
             runner.prepare(previous)
             start = time.perf_counter_ns()
             masks[runner.name] = runner.run()
