@@ -146,8 +146,8 @@ def test_bf16_graph_decode_logits_track_the_reference() -> None:
         model.prefill(torch.tensor(prompt, device=device), cache, slot)
     next_tokens = [7, 8, 9]
     positions = [len(p) for p in prompts]
-    logits = graphs.decode(torch.tensor(next_tokens, device=device), torch.tensor(positions, device=device),
-                           max(positions) + 1).double().cpu()
+    logits = graphs.decode(torch.tensor(next_tokens, device=device),
+                           torch.tensor(positions, device=device)).double().cpu()
     for row, (prompt, token) in enumerate(zip(prompts, next_tokens)):
         expected = reference_next_logits(weights, config, prompt + [token])
         relative = (logits[row] - expected).norm() / expected.norm()
@@ -223,3 +223,12 @@ def test_fast_forward_gives_the_same_constrained_tokens_in_fewer_steps(model_dir
     for tokens in fast_tokens[:2]:
         document = json.loads(bytes(tokens))
         assert document["color"] in ("red", "green", "blue") and isinstance(document["ok"], bool)
+
+
+def test_decode_batch_buckets_step_by_16_to_256_then_by_32() -> None:
+    from llgtrt_core.engine.decode_graphs import batch_buckets
+
+    assert batch_buckets(3) == [1, 2, 3]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert batch_buckets(300)[:7] == [1, 2, 4, 8, 16, 32, 48]
+    assert batch_buckets(300)[-3:] == [256, 288, 300]

@@ -96,7 +96,7 @@ async def _stream(updates: AsyncIterator[ChoiceUpdate], response_id: str, runtim
             delta = _delta(tools[update.index], update)
             logprobs = chat_logprobs(runtime.tokenizer, update.token_ids, update.logprobs)
             finish_reason = _finish_reason(tools[update.index], update.finish_reason)
-            if not delta.model_dump() and logprobs is None and finish_reason is None:
+            if delta.is_empty() and logprobs is None and finish_reason is None:
                 continue  # tool-call markup only: nothing to tell the client yet
             yield chunk([ChatCompletionResponseStreamChoice(index=update.index, delta=delta, logprobs=logprobs,
                                                             finish_reason=finish_reason)])

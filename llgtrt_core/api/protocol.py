@@ -453,6 +453,10 @@ class DeltaMessage(OpenAIDeltaModel):
     tool_calls: Optional[list[DeltaToolCall]] = None
     function_call: Optional[DeltaFunctionCall] = None  # legacy `functions` requests
 
+    def is_empty(self) -> bool:
+        """Nothing to send (checked per streamed chunk: cheaper than dumping the model)."""
+        return self.role is None and self.content is None and self.tool_calls is None and self.function_call is None
+
 
 class ChatCompletionResponseStreamChoice(OpenAIResponseModel):
     index: int

@@ -67,9 +67,7 @@ async def tool_constraint(plan: Optional[ToolPlan], request: Any, runtime: Model
             await runtime.grammars.compile(grammar, f"{tool.param}.parameters")
         answer = request_grammar(request, runtime.grammars.json_whitespace_flexible) if plan.mode == "auto" else None
         text = tool_grammar(plan, runtime.tokenizer.hf.get_added_vocab(), answer.grammar if answer else None)
-    except ToolRequestError as e:
-        raise APIError(e.message, param=e.param) from e
-    except GrammarRequestError as e:
+    except (ToolRequestError, GrammarRequestError) as e:
         raise APIError(e.message, param=e.param) from e
     return RequestGrammar("tools", text)
 

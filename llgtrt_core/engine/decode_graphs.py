@@ -20,7 +20,7 @@ from llgtrt_core.models.llama import LlamaForCausalLM
 
 
 def batch_buckets(max_batch: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, max_batch + 1, 16 if max_batch <= 256 else 32))
+    sizes = [1, 2, 4, 8] + list(range(16, min(max_batch, 256) + 1, 16)) + list(range(288, max_batch + 1, 32))
     return sorted({size for size in sizes if size < max_batch} | {max_batch})
 
 
@@ -37,9 +37,9 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by batch bucket
         self.pool = torch.cuda.graph_pool_handle()
 
-    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
-        """Same contract as LlamaForCausalLM.decode over the first n slots; returns logits (n, vocab).
-        key_len is not needed: the graph's bound is the whole cache (see _capture)."""
+    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """LlamaForCausalLM.decode over the first n slots, without its key_len: the graph's bound is
+        the whole cache (see _capture). Returns logits (n, vocab)."""
         n = token_ids.shape[0]
         batch = self.buckets[bisect.bisect_left(self.buckets, n)]
         self.token_ids[:n].copy_(token_ids)

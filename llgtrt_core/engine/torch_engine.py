@@ -55,6 +55,7 @@ from llgtrt_core.engine.interface import (
 from llgtrt_core.engine.decode_graphs import DecodeGraphs
 from llgtrt_core.engine.kv_cache import KVCache
 from llgtrt_core.engine.sampler import BatchSampler, token_logprobs
+from llgtrt_core.kernels import int64_to_device
 from llgtrt_core.models.llama import LlamaForCausalLM
 from llgtrt_core.models.loader import load_config, load_model
 
@@ -431,29 +432,20 @@ class TorchEngine(Engine):
             return None
         return torch.cat(logits) if len(logits) > 1 else logits[0]
 
-    def _device_tokens(self, values: list[int]) -> torch.Tensor:
-        """int64 ids on the device; on CUDA through pinned memory, so the copy does not wait for
-        the work already queued (a pageable copy syncs the stream)."""
-        host = torch.tensor(values, dtype=torch.int64)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
-
     def _decode(self, batch: list[_Sequence], graphs: bool) -> torch.Tensor:
         """Every sequence's first pending token in one batched decode; a sequence with forced tokens
         behind it then feeds those through `extend`, whose last logits replace its row."""
         positions = [seq.length for seq in batch]
-        key_len = max(positions) + 1
         self.cache.reserve(max(seq.length + len(seq.pending_tokens) for seq in batch))
-        token_ids = self._device_tokens([seq.pending_tokens[0] for seq in batch])
-        positions_tensor = self._device_tokens(positions)
+        token_ids = int64_to_device([seq.pending_tokens[0] for seq in batch], self.device)
+        positions_tensor = int64_to_device(positions, self.device)
         if graphs and self.decode_graphs is not None:
-            logits = self.decode_graphs.decode(token_ids, positions_tensor, key_len)
+            logits = self.decode_graphs.decode(token_ids, positions_tensor)
         else:
-            logits = self.model.decode(token_ids, positions_tensor, key_len, self.cache)
+            logits = self.model.decode(token_ids, positions_tensor, max(positions) + 1, self.cache)
         for slot, seq in enumerate(batch):
             if len(seq.pending_tokens) > 1:
-                forced = self._device_tokens(seq.pending_tokens[1:])
+                forced = int64_to_device(seq.pending_tokens[1:], self.device)
                 logits[slot] = self.model.extend(forced, self.cache, slot, start=seq.length + 1)
             seq.length += len(seq.pending_tokens)
         return logits
@@ -462,7 +454,7 @@ class TorchEngine(Engine):
         """Extend the slot with this chunk's tokens; the last position's logits. A prompt prefilled
         to its end emits its forced tokens (with the prompt logprobs) as its first delta."""
         seq = chunk.seq
-        tokens = self._device_tokens(seq.prefill_tokens[seq.length:chunk.end])
+        tokens = int64_to_device(seq.prefill_tokens[seq.length:chunk.end], self.device)
         if seq.request.sampling.prompt_logprobs is None:
             logits = self.model.extend(tokens, self.cache, chunk.slot, seq.length)
         else:
@@ -504,7 +496,7 @@ class TorchEngine(Engine):
         logits = self.model.lm_head(hidden[-1]).float()
         prompt = seq.request.prompt_token_ids
         scored = min(start + tokens.shape[0], len(prompt) - 1) - start  # position p predicts prompt[p + 1]
-        targets = self._device_tokens(prompt[start + 1:start + 1 + max(scored, 0)])
+        targets = int64_to_device(prompt[start + 1:start + 1 + max(scored, 0)], self.device)
         num_top = seq.request.sampling.prompt_logprobs
         for first in range(0, scored, _PROMPT_LOGPROBS_CHUNK):
             last = min(first + _PROMPT_LOGPROBS_CHUNK, scored)

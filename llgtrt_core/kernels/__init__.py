@@ -84,13 +84,18 @@ def _apply_cuda(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[RowI
 
 
 def _row_tensor(rows: Optional[RowIndices], device: torch.device) -> Optional[torch.Tensor]:
-    """Row indices as a contiguous int64 tensor on `device`; host lists go through pinned memory
-    so the copy is asynchronous on the current stream."""
+    """Row indices as a contiguous int64 tensor on `device`."""
     if rows is None:
         return None
     if isinstance(rows, torch.Tensor):
         return rows.to(device=device, dtype=torch.int64, non_blocking=True).contiguous()
-    host = torch.tensor(list(rows), dtype=torch.int64)
+    return int64_to_device(rows, device)
+
+
+def int64_to_device(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Host ints as an int64 tensor on `device`; on CUDA through pinned memory, so the copy is
+    asynchronous on the current stream (a pageable copy waits for the work already queued)."""
+    host = torch.tensor(list(values), dtype=torch.int64)
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)

@@ -18,9 +18,13 @@ def load_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
 
 
-def _empty_model(config: ModelConfig, max_positions: int, device: torch.device) -> LlamaForCausalLM:
+def _empty_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
+                 ) -> LlamaForCausalLM:
+    """Uninitialized weights in `dtype` on `device`. The cast happens on "meta", where it is free:
+    made in float32 on the GPU and cast there, the freed float32 copy stayed in torch's caching
+    allocator and the KV cache, sized from the memory free after loading, lost that much."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = LlamaForCausalLM(config, max_positions).to(dtype)
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty off "meta" makes new Parameters, untying them
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -34,7 +38,7 @@ def random_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, de
     Matrices draw from N(0, 1/fan_in) and embeddings from N(0, 1), so activations and logits keep
     unit scale through the layers: greedy picks have clear margins, unlike near-uniform tiny weights.
     """
-    model = _empty_model(config, max_positions, device).to(dtype)
+    model = _empty_model(config, max_positions, dtype, device)
     generator = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -50,7 +54,7 @@ def random_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, de
 
 def load_model(model_dir: Path, max_positions: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     config = load_config(model_dir)
-    model = _empty_model(config, max_positions, device)
+    model = _empty_model(config, max_positions, dtype, device)
     parameters = model.checkpoint_tensors()
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -69,6 +73,6 @@ def load_model(model_dir: Path, max_positions: int, dtype: torch.dtype, device: 
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     logger.info("loaded %s (%d tensors) on %s as %s", config.architecture, len(loaded), device, dtype)
-    model = model.to(dtype=dtype).eval()
+    model.eval()
     model.reset_rope_tables()  # to_empty left them uninitialized, and they must stay float32
     return model
