@@ -122,17 +122,19 @@ class _CallObject:
         self._value = None
         self._streamed_arguments = None
 
-    def arguments_so_far(self) -> str:
-        """Arguments text known to be final (trailing whitespace held back)."""
+    def arguments_since(self, start: int) -> str:
+        """The arguments text known to be final (trailing whitespace held back) from character
+        `start` on. Built from the new characters only: called for every character of a call,
+        joining everything streamed so far made long arguments quadratic."""
         if self._arguments is not None:
-            return self._arguments
+            return self._arguments[start:]
         if self._streamed_arguments is not None:
-            return "".join(self._streamed_arguments).rstrip()
+            return "".join(self._streamed_arguments[start:]).rstrip()  # one character per entry
         return ""
 
-    def final_arguments(self) -> str:
-        """After the object ended: a call without arguments takes none."""
-        return self._arguments if self._arguments else "{}"
+    def final_arguments_since(self, start: int) -> str:
+        """After the object ended, from character `start` on: a call without arguments takes none."""
+        return (self._arguments if self._arguments else "{}")[start:]
 
 
 def _decode(chars: Union[str, list[str]]) -> object:
@@ -168,7 +170,7 @@ class ToolCallParser:
         if self._state == "content" and self.num_calls == 0:  # after calls, a partial trigger is markup
             self._emit_content(self._held.rstrip(), events)
         elif self._state == "object" and self._call is not None and self._call.name is not None:
-            self._emit_arguments(self._call.arguments_so_far(), events)
+            self._emit_arguments(self._call.arguments_since(self._emitted_arguments), events)
         self._state, self._held = "content", ""
         return _coalesce(events)
 
@@ -224,7 +226,9 @@ class ToolCallParser:
             if not self._started:
                 events.append(CallStart(self.num_calls, call.name))
                 self._started = True
-            self._emit_arguments(call.final_arguments() if call.done else call.arguments_so_far(), events)
+            emitted = self._emitted_arguments
+            self._emit_arguments(call.final_arguments_since(emitted) if call.done else call.arguments_since(emitted),
+                                 events)
         if call.done:
             if call.name is None:  # a JSON object, not a call: it was text after all
                 self._run_raw.extend(call.raw)
@@ -233,11 +237,10 @@ class ToolCallParser:
             self.num_calls += 1
             self._call, self._between, self._state = None, "", "between"
 
-    def _emit_arguments(self, arguments: str, events: list[ToolEvent]) -> None:
-        fragment = arguments[self._emitted_arguments:]
+    def _emit_arguments(self, fragment: str, events: list[ToolEvent]) -> None:
         if fragment:
             events.append(ArgumentsDelta(self.num_calls, fragment))
-            self._emitted_arguments = len(arguments)
+            self._emitted_arguments += len(fragment)
 
     def _feed_between(self, ch: str, events: list[ToolEvent]) -> None:
         self._between += ch
