@@ -13,6 +13,7 @@ import dataclasses
 import os
 import re
 import sys
+import textwrap
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -255,24 +256,13 @@ def _render_fields(value: Any, default: Any, depth: int) -> list[str]:
     lines: list[str] = []
     for f in dataclasses.fields(value):
         current, initial = getattr(value, f.name), getattr(default, f.name)
-        lines += [f"{indent}// {line}" for line in _wrap(f.metadata["doc"], 100 - len(indent))]
+        lines += [f"{indent}// {line}" for line in textwrap.wrap(f.metadata["doc"], 100 - len(indent), break_long_words=False, break_on_hyphens=False)]
         if dataclasses.is_dataclass(current):
             lines += [f'{indent}"{f.name}": {{', *_render_fields(current, initial, depth + 1), f"{indent}}},"]
         else:
             comment = "// " if current == initial else ""
             lines.append(f'{indent}{comment}"{f.name}": {json5.dumps(current)},')
     return lines
-
-
-def _wrap(text: str, width: int) -> list[str]:
-    lines, line = [], ""
-    for word in text.split():
-        if line and len(line) + 1 + len(word) > width:
-            lines.append(line)
-            line = word
-        else:
-            line = f"{line} {word}" if line else word
-    return lines + [line] if line else lines
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

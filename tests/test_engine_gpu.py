@@ -143,7 +143,7 @@ def test_bf16_graph_decode_logits_track_the_reference() -> None:
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (3, 30, 70)]
     for slot, prompt in enumerate(prompts):
-        model.prefill(torch.tensor(prompt, device=device), cache, slot)
+        model.extend(torch.tensor(prompt, device=device), cache, slot)
     next_tokens = [7, 8, 9]
     positions = [len(p) for p in prompts]
     logits = graphs.decode(torch.tensor(next_tokens, device=device),
@@ -177,7 +177,7 @@ def test_triton_decode_equals_the_torch_ops_for_a_qwen3_shape() -> None:
     for cache, fused in zip(caches, (True, False)):
         model.fused_ops = fused
         for slot, prompt in enumerate(prompts):
-            model.prefill(torch.tensor(prompt, device=device), cache, slot)
+            model.extend(torch.tensor(prompt, device=device), cache, slot)
         logits.append(model.decode(token_ids, positions, int(positions.max()) + 1, cache))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
     for fused_layer, plain_layer in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):

@@ -105,8 +105,8 @@ def test_extend_matches_a_prefill_of_the_same_tokens(stored_model_dir: Path, tok
     cache = KVCache(config.num_layers, 2, config.num_kv_heads, config.head_dim, 256, torch.float32,
                     torch.device("cpu"))
     tokens = torch.tensor(chat_prompt(tokenizer, "Name a city.") + tokenizer.encode('{"city":"Paris"}'))
-    expected = model.prefill(tokens, cache, slot=0)
-    model.prefill(tokens[:-5], cache, slot=1)
+    expected = model.extend(tokens, cache, slot=0)
+    model.extend(tokens[:-5], cache, slot=1)
     extended = model.extend(tokens[-5:], cache, slot=1, start=len(tokens) - 5)
     assert torch.allclose(extended, expected, atol=1e-4), (extended - expected).abs().max()
     assert torch.allclose(cache.keys[3][1, :, :len(tokens)], cache.keys[3][0, :, :len(tokens)], atol=1e-4)

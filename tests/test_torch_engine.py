@@ -39,7 +39,7 @@ def test_logits_match_transformers(stored_model_dir: Path, tokenizer) -> None:
                     torch.device("cpu"))
     prompt = chat_prompt(tokenizer, "What is the capital of France?")
     generated: list[int] = []
-    logits = model.prefill(torch.tensor(prompt), cache, slot=1)
+    logits = model.extend(torch.tensor(prompt), cache, slot=1)
     for _ in range(6):  # greedy decode in slot 1 while slot 0 holds garbage: slots must not leak
         generated.append(int(logits.argmax()))
         position = len(prompt) + len(generated) - 1

@@ -9,6 +9,8 @@ is chosen per batch to give the GPU about two programs per SM.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -86,8 +88,14 @@ def _merge_kernel(partial_out_ptr, partial_lse_ptr, out_ptr,
 
 def split_count(programs: int, device: torch.device) -> int:
     """Key splits per (row, kv head): a power of two giving about two programs per SM."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    sms = _multiprocessors(device.index or 0) if device.type == "cuda" else 8
     return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * sms, programs)))
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    """Asked once per device: eager decode calls split_count in every layer of every step."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def decode_attention(

@@ -287,10 +287,6 @@ class LlamaForCausalLM(nn.Module):
         )
         return hidden[0]
 
-    def prefill(self, token_ids: torch.Tensor, cache: KVCache, slot: int) -> torch.Tensor:
-        """A prompt: `extend` from position 0."""
-        return self.extend(token_ids, cache, slot)
-
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, key_len: int, cache: KVCache) -> torch.Tensor:
         """token_ids, positions: (n,) for cache slots 0..n-1. key_len >= max(positions) + 1, known to the
