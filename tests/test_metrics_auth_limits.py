@@ -119,6 +119,8 @@ def test_past_the_concurrency_and_queue_limits_a_request_gets_429(prod: BentoSer
             assert refused.status_code == 429
             assert refused.headers["retry-after"] == str(RETRY_AFTER_S)
             assert refused.json()["error"]["type"] == "rate_limit_exceeded"
+            tokenized = client.post(f"{prod.url}/v1/tokenize", json={"model": long["model"], "prompt": "hi"})
+            assert tokenized.status_code == 200  # not a generation request: no place needed
         # Closing the streams frees the places: the queued request is served.
         waiter.join(timeout=60)
         assert queued["status"] == 200

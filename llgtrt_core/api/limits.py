@@ -1,6 +1,6 @@
 """Request limits of the OpenAI app: body size (413) and admission of generation requests (429).
 
-Generation requests (every POST) hold one of `max_concurrent` places from the moment they are
+Generation requests (POST .../completions: chat and legacy) hold one of `max_concurrent` places from the moment they are
 admitted until their response (streamed or not) ends; up to `max_queued` more wait for a place;
 past that a request is refused at once with 429 and Retry-After, before any work is done for it.
 Both are pure ASGI middlewares, so streaming and disconnect detection pass through untouched.
@@ -80,8 +80,8 @@ class AdmissionLimit:
         self.num_queued = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
-            await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].endswith("/completions"):
+            await self.app(scope, receive, send)  # /tokenize and /detokenize never wait behind generation
             return
         if self.places.locked() and self.num_queued >= self.max_queued:
             await _refuse(scope, receive, send, 429, "the server is at its request limit; retry later",
