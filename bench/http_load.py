@@ -35,7 +35,6 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,8 +51,6 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from tests.bento_server import bentoml_serve  # noqa: E402
 
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
-PACK_TIMEOUT_S = 600
 QUESTIONS = (
     "Tell me a story about a lighthouse keeper.",
     "Explain how a bicycle works.",
@@ -220,23 +217,15 @@ def engine_vs_client(before: dict[str, Histogram], after: dict[str, Histogram],
 
 # --- the server ------------------------------------------------------------------------------
 
-def default_model_packed(bentoml_home: Path) -> bool:
-    return (bentoml_home / "models" / DEFAULT_MODEL_NAME / "latest").exists()
-
-
 @contextlib.contextmanager
 def server_url(args: argparse.Namespace) -> Iterator[str]:
     """--url as given, or `bentoml serve .` on a free loopback port serving --model from --bentoml-home
-    (without --model, the default model, packed there first)."""
+    (without --model, the default model, which the service packs there on its first start)."""
     if args.url:
         if urlparse(args.url).hostname not in ("127.0.0.1", "localhost", "::1"):
             raise SystemExit(f"loopback only: {args.url}")
         yield args.url.rstrip("/")
         return
-    if not args.model and not default_model_packed(args.bentoml_home):
-        print(f"packing the default model into {args.bentoml_home} ...", flush=True)
-        subprocess.run([sys.executable, "pack_model.py"], cwd=REPO_ROOT, check=True, timeout=PACK_TIMEOUT_S,
-                       env={**os.environ, "BENTOML_HOME": str(args.bentoml_home), "BENTOML_DO_NOT_TRACK": "true"})
     log = args.server_log or Path(tempfile.mkdtemp(prefix="http-load-")) / "bentoml-serve.log"
     print(f"starting bentoml serve (log {log}) ...", flush=True)
     started = time.monotonic()

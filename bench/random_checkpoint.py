@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -77,16 +76,12 @@ def write_checkpoint(dst: Path, config: dict[str, Any], device: torch.device, se
 
 
 def store_random_model(name: str, config: dict[str, Any], device: torch.device, seed: int):
-    import bentoml
-
-    from llgtrt_core.model_store import ModelMetadata
+    from llgtrt_core.model_store import ModelMetadata, store
 
     metadata = ModelMetadata(source=f"random:seed{seed}", engine="pytorch", architecture=config["architectures"][0],
                              vocab_size=config["vocab_size"], context_length=config["max_position_embeddings"],
                              has_chat_template=True)
-    with bentoml.models.create(name, labels=metadata.labels(), metadata=asdict(metadata)) as model:
-        write_checkpoint(Path(model.path), config, device, seed)
-    return bentoml.models.get(model.tag)
+    return store(name, metadata, lambda directory: write_checkpoint(directory, config, device, seed))
 
 
 def main() -> None:

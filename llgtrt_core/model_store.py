@@ -105,7 +105,7 @@ def pack_default_model(name: str = DEFAULT_MODEL_NAME, engine: EngineKind = "pyt
         model.generation_config.save_pretrained(dst)
         _save_tokenizer(tokenizer, dst, model_max_length=metadata.context_length)
 
-    return _store(name, metadata, write)
+    return store(name, metadata, write)
 
 
 def pack_hf_checkpoint(hf_dir: str | Path, name: str, engine: EngineKind = "pytorch") -> bentoml.Model:
@@ -133,7 +133,7 @@ def pack_hf_checkpoint(hf_dir: str | Path, name: str, engine: EngineKind = "pyto
         _copy_files([(f, dst / f.name) for f in files], desc=f"Copying {src.name}")
         _embed_chat_template(dst)
 
-    return _store(name, metadata, write)
+    return store(name, metadata, write)
 
 
 def pack_trtllm_engine(engine_dir: str | Path, tokenizer_dir: str | Path, name: str) -> bentoml.Model:
@@ -168,7 +168,7 @@ def pack_trtllm_engine(engine_dir: str | Path, tokenizer_dir: str | Path, name: 
         _copy_files(pairs, desc=f"Copying {src.name}")
         _embed_chat_template(dst)
 
-    return _store(name, metadata, write)
+    return store(name, metadata, write)
 
 
 def ensure_default_model() -> bentoml.Model:
@@ -185,7 +185,8 @@ def ensure_default_model() -> bentoml.Model:
 # --- store ------------------------------------------------------------------------------
 
 
-def _store(name: str, metadata: ModelMetadata, write: Callable[[Path], None]) -> bentoml.Model:
+def store(name: str, metadata: ModelMetadata, write: Callable[[Path], None]) -> bentoml.Model:
+    """A new model `name` in the store, its files written by `write(directory)`."""
     with bentoml.models.create(name, labels=metadata.labels(), metadata=asdict(metadata)) as model:
         write(Path(model.path))
     # create() wrote to a temporary directory and copied it into the store on exit.
