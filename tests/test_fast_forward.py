@@ -59,8 +59,8 @@ Result = tuple[list[int], Optional[str], Optional[list[TokenLogprob]]]
 
 
 def run_engine(stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer, fast_forward: bool,
-               specs: list[tuple[str, bool, SamplingParams]], prefill_chunk_tokens: Optional[int] = None
-               ) -> tuple[list[Result], int]:
+               specs: list[tuple[str, bool, SamplingParams]], prefill_chunk_tokens: Optional[int] = None,
+               overlap_steps: bool = False) -> tuple[list[Result], int]:
     """Run requests (prompt question, constrained?, sampling) concurrently on a fresh engine;
     return each one's tokens, finish reason and logprobs, and the steps the engine took."""
 
@@ -68,7 +68,8 @@ def run_engine(stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer, fast_
         compiler = GrammarCompiler(ll_tokenizer)
         engine = TorchEngine(stored_model_dir, TorchEngineConfig(device="cpu", max_batch_size=4,
                                                                  fast_forward=fast_forward,
-                                                                 prefill_chunk_tokens=prefill_chunk_tokens),
+                                                                 prefill_chunk_tokens=prefill_chunk_tokens,
+                                                                 overlap_steps=overlap_steps),
                              MaskPostProcessor(ll_tokenizer, max_batch_size=4))
         await engine.start()
         try:
@@ -123,6 +124,24 @@ def test_same_greedy_output_in_fewer_steps(stored_model_dir: Path, ll_tokenizer,
     assert reason == "stop"
     jsonschema.validate(json.loads(tokenizer.decode(tokens)), SCHEMA)
     assert fast_steps < plain_steps and plain_steps == len(tokens) + 1  # + the step that samples EOS
+
+
+def test_overlapped_steps_give_the_same_output(stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer) -> None:
+    """With each step's next decode queued before its tokens are read, the forced tokens a grammar
+    adds after a sampled one are fed by `extend` a step later: constrained (with and without
+    fast-forward) and unconstrained outputs and step counts are unchanged, logprobs up to float
+    rounding (a finished row is decoded once more, so some steps run a larger batch)."""
+    specs = [("Describe a person as JSON.", True, greedy(tokenizer, logprobs=1)),
+             ("Describe a person as JSON.", True, greedy(tokenizer, max_tokens=9)),
+             ("Write one sentence about the sea.", False, greedy(tokenizer, max_tokens=12))]
+    for fast_forward in (False, True):
+        plain = run_engine(stored_model_dir, ll_tokenizer, tokenizer, fast_forward, specs)
+        overlapped = run_engine(stored_model_dir, ll_tokenizer, tokenizer, fast_forward, specs, overlap_steps=True)
+        assert [result[:2] for result in overlapped[0]] == [result[:2] for result in plain[0]]
+        assert overlapped[1] == plain[1]
+        assert [lp.logprob for lp in overlapped[0][0][2]] == pytest.approx([lp.logprob for lp in plain[0][0][2]],
+                                                                           abs=1e-4)
+        assert plain[0][0][1] == "stop" and plain[0][1][1] == "length"
 
 
 def test_chunked_prompts_fast_forward_to_the_same_output(stored_model_dir: Path, ll_tokenizer,

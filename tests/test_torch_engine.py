@@ -70,8 +70,11 @@ def engine_factory(stored_model_dir: Path):
     return make
 
 
-def test_continuous_batching_matches_running_alone(engine_factory, tokenizer) -> None:
-    """Requests that join and leave mid-flight (batch 2, five requests) give the tokens they give alone."""
+@pytest.mark.parametrize("overlap_steps", [False, True])
+def test_continuous_batching_matches_running_alone(engine_factory, tokenizer, overlap_steps: bool) -> None:
+    """Requests that join and leave mid-flight (batch 2, five requests) give the tokens they give
+    alone, also when each step's next decode is queued before its tokens are read (overlap_steps:
+    rows that finish were decoded once more, and the rows behind them move into their slots)."""
 
     def request(i: int, question: str, max_tokens: int, sampling: dict) -> GenerationRequest:
         return GenerationRequest(f"r{i}", chat_prompt(tokenizer, question),
@@ -86,7 +89,7 @@ def test_continuous_batching_matches_running_alone(engine_factory, tokenizer) ->
     ]
 
     async def scenario():
-        engine = engine_factory(max_batch_size=2)
+        engine = engine_factory(max_batch_size=2, overlap_steps=overlap_steps)
         await engine.start()
         try:
             together = await asyncio.gather(*(run(engine, request(i, *s)) for i, s in enumerate(specs)))
@@ -104,9 +107,10 @@ def test_continuous_batching_matches_running_alone(engine_factory, tokenizer) ->
     assert active == 0
 
 
-def test_abort_frees_the_slot_and_cache_grows(engine_factory, tokenizer) -> None:
+@pytest.mark.parametrize("overlap_steps", [False, True])
+def test_abort_frees_the_slot_and_cache_grows(engine_factory, tokenizer, overlap_steps: bool) -> None:
     async def scenario():
-        engine = engine_factory(max_batch_size=1)
+        engine = engine_factory(max_batch_size=1, overlap_steps=overlap_steps)
         await engine.start()
         try:
             long = GenerationRequest("long", chat_prompt(tokenizer, "Tell me a long story."),

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -118,16 +118,25 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: Seq
                    ) -> tuple[list[int], list[TokenLogprob]]:
     """Row i: token_ids[i], its logprob and its num_top[i] most likely alternatives.
 
-    One device-to-host copy for all rows (token ids travel as float64, exact below 2**53).
+    One device-to-host copy for all rows.
     """
-    k = max(num_top, default=0)
+    return parse_logprob_table(logprob_table(logprobs, token_ids, max(num_top, default=0)).tolist(), num_top)
+
+
+def logprob_table(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """(n, 2 + 2k) float64 on the logprobs' device: token, its logprob, the top k logprobs, their
+    tokens (token ids travel as float64, exact below 2**53), so one copy brings a step's back."""
     parts = [token_ids.unsqueeze(1).double(), logprobs.gather(1, token_ids.unsqueeze(1)).double()]
     if k:
         top = logprobs.topk(k, dim=-1)
         parts += [top.values.double(), top.indices.double()]
-    host = torch.cat(parts, dim=1).tolist()
+    return torch.cat(parts, dim=1)
+
+
+def parse_logprob_table(table: list[list[float]], num_top: Sequence[int]) -> tuple[list[int], list[TokenLogprob]]:
+    k = max(num_top, default=0)
     ids, reported = [], []
-    for row, wanted in zip(host, num_top):
+    for row, wanted in zip(table, num_top):
         ids.append(int(row[0]))
         reported.append(TokenLogprob(row[1], tuple((int(row[2 + k + j]), row[2 + j]) for j in range(wanted))))
     return ids, reported
@@ -137,6 +146,29 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: Seq
 class SampleOutput:
     token_ids: list[int]
     logprobs: list[Optional[TokenLogprob]]  # None for rows that did not ask for logprobs
+
+
+class PendingSample:
+    """A step's draw queued on the device. `tokens` can feed the next forward pass before the host
+    has read them; `result()` waits for the one device-to-host copy the draw started."""
+
+    def __init__(self, tokens: torch.Tensor, readback: torch.Tensor,
+                 parse: Callable[[list], SampleOutput]):
+        self.tokens = tokens  # (n,) int64, on the logits' device
+        self._parse = parse
+        self._ready: Optional[torch.cuda.Event] = None
+        if readback.is_cuda:
+            self._host = torch.empty(readback.shape, dtype=readback.dtype, pin_memory=True)
+            self._host.copy_(readback, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = readback
+
+    def result(self) -> SampleOutput:
+        if self._ready is not None:
+            self._ready.synchronize()  # drops the GIL while it waits
+        return self._parse(self._host.tolist())
 
 
 class BatchSampler:
@@ -242,10 +274,16 @@ class BatchSampler:
             return None
         return logits.float().log_softmax(dim=-1)
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, raw_logprobs: Optional[torch.Tensor] = None,
                masks: Optional[DeviceMasks] = None) -> SampleOutput:
-        """logits: (n, vocab) float32 of rows 0..n-1. Draws one token per row.
+        """`sample_async`, waited for."""
+        return self.sample_async(logits, raw_logprobs, masks).result()
+
+    @torch.inference_mode()
+    def sample_async(self, logits: torch.Tensor, raw_logprobs: Optional[torch.Tensor] = None,
+                     masks: Optional[DeviceMasks] = None) -> PendingSample:
+        """logits: (n, vocab) float32 of rows 0..n-1. Queues one draw per row; the logits are not
+        needed once this returns (the next forward pass may overwrite them).
 
         masks: the constraint masks, not yet applied (on the logits' device); without them the
         logits count as constrained already. raw_logprobs: what `raw_logprobs` returned before a
@@ -256,7 +294,7 @@ class BatchSampler:
         fused = self._fused[:n]
         if all(fused):  # the common case: one kernel, the logits only read (fused rows ask no logprobs)
             tokens = self._sample_fused(logits, masks)
-            output = SampleOutput(tokens.tolist(), [None] * n)
+            pending = PendingSample(tokens, tokens, lambda ids: SampleOutput(ids, [None] * n))
         else:
             if raw_logprobs is None:
                 raw_logprobs = self.raw_logprobs(logits)
@@ -267,9 +305,9 @@ class BatchSampler:
             if any(fused):
                 fused_rows = self._table[:n, _Col.FUSED].bool()
                 tokens = torch.where(fused_rows, self._sample_fused(logits, None), tokens)
-            output = self._read_back(params, tokens, raw_logprobs, processed_scores)
+            pending = self._read_back(params, tokens, raw_logprobs, processed_scores)
         self._record(tokens)
-        return output
+        return pending
 
     def _sample_fused(self, logits: torch.Tensor, masks: Optional[DeviceMasks]) -> torch.Tensor:
         """Mask + temperature + draw in one pass; each row's seed is its key + tokens generated so far."""
@@ -334,18 +372,23 @@ class BatchSampler:
         return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
     def _read_back(self, params: Sequence[SamplingParams], tokens: torch.Tensor, raw: Optional[torch.Tensor],
-                   processed_scores: Optional[torch.Tensor]) -> SampleOutput:
-        """The tokens, with the logprobs the rows asked for, in one device-to-host copy."""
+                   processed_scores: Optional[torch.Tensor]) -> PendingSample:
+        """The tokens, with the logprobs the rows asked for, read back in one device-to-host copy."""
         if not any(p.logprobs is not None for p in params):
-            return SampleOutput(tokens.tolist(), [None] * len(params))
+            return PendingSample(tokens, tokens, lambda ids: SampleOutput(ids, [None] * len(params)))
         if processed_scores is None:
             logprobs = raw
         else:
             processed = processed_scores.log_softmax(dim=-1)
             use_raw = self._table[: len(params), _Col.RAW_LOGPROBS].bool().unsqueeze(1)
             logprobs = processed if raw is None else torch.where(use_raw, raw, processed)
-        ids, reported = token_logprobs(logprobs, tokens, [p.logprobs or 0 for p in params])
-        return SampleOutput(ids, [lp if p.logprobs is not None else None for lp, p in zip(reported, params)])
+        num_top = [p.logprobs or 0 for p in params]
+
+        def parse(table: list[list[float]]) -> SampleOutput:
+            ids, reported = parse_logprob_table(table, num_top)
+            return SampleOutput(ids, [lp if p.logprobs is not None else None for lp, p in zip(reported, params)])
+
+        return PendingSample(tokens, logprob_table(logprobs, tokens, max(num_top)), parse)
 
     def _record(self, tokens: torch.Tensor) -> None:
         n = tokens.shape[0]

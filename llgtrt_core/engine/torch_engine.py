@@ -19,6 +19,14 @@ When a grammar forces a run of tokens after the sampled one (fast-forward), they
 with it and fed in the next step's forward pass without being sampled (`extend`). On CUDA the
 cache holds the whole context for as many slots as fit, and decode replays CUDA graphs
 (`decode_graphs.py`); the only host sync of a step is reading the sampled tokens.
+
+Overlapped steps (`overlap_steps`, on by default on CUDA): once a step's draw is queued, the
+next step's decode of every running row is queued too, fed the sampled tokens on the device,
+before the host reads them. The host's per-step work (handing out tokens, the grammar commits,
+the next mask fill) then runs while the GPU decodes instead of between decodes. A row that
+turns out finished was decoded once for nothing; tokens a grammar forces after the sampled one
+are fed by `extend` in the next step. Not while a prompt is part-prefilled (decode graphs write
+padding into its slot).
 """
 
 from __future__ import annotations
@@ -72,6 +80,12 @@ class TorchEngineConfig:
     cuda_graphs: bool = True  # decode under CUDA graphs (cuda only)
     fast_forward: bool = True  # feed the tokens a grammar forces in one forward pass, unsampled
     prefill_chunk_tokens: Optional[int] = None  # prompt tokens prefilled per step; None or 0: whole prompts
+    # Queue the next decode before reading a step's tokens (see the module doc); default: on cuda,
+    # where the host work then hides behind the GPU's. On cpu nothing runs ahead, so it only costs.
+    overlap_steps: Optional[bool] = None
+
+    def resolve_overlap_steps(self, device: torch.device) -> bool:
+        return device.type == "cuda" if self.overlap_steps is None else self.overlap_steps
 
     def resolve_device(self) -> torch.device:
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -98,7 +112,7 @@ class _Sequence:
     length: int = 0  # positions held in the KV cache
     prefill_tokens: list[int] = field(default_factory=list)  # prompt + forced tokens, until prefilled
     num_generated: int = 0
-    pending_tokens: list[int] = field(default_factory=list)  # sampled (then forced) last step, fed this step
+    pending_tokens: list[int] = field(default_factory=list)  # sampled (then forced) tokens not in the cache yet
     uncommitted_token: Optional[int] = None  # sampled last step, not yet seen by the constraint
     fast_forward: bool = False  # its constraint's forced tokens are fed without sampling
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # sent with the first delta
@@ -148,6 +162,10 @@ class TorchEngine(Engine):
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []  # index i occupies cache slot i
         self._prefilling: Optional[_Sequence] = None  # a prompt part-prefilled, in slot len(_running)
+        self._overlap = config.resolve_overlap_steps(self.device)
+        # Logits of the decode queued ahead for the running rows (row i: slot i), fed their sampled
+        # tokens on the device; None when the next step must decode itself.
+        self._ahead: Optional[torch.Tensor] = None
         self._thread: Optional[threading.Thread] = None
         self.model = model
         self.cache: Optional[KVCache] = None
@@ -258,6 +276,7 @@ class TorchEngine(Engine):
                     self._finish(seq, "error", error=f"engine step failed: {exc}")
                 self._running.clear()
                 self._prefilling = None
+                self._ahead = None
             self._record_state()
             self._deliver()
         for seq in [*self._in_slots(), *self._waiting]:
@@ -356,7 +375,11 @@ class TorchEngine(Engine):
             self.post_processor(rows, logits, self._stream())
         for row in rows:
             self._running[row.row].uncommitted_token = None
-        sampled = self.sampler.sample(logits, raw_logprobs, masks)
+        pending = self.sampler.sample_async(logits, raw_logprobs, masks)
+        fed = self._overlap and self._prefilling is None
+        if fed:  # the GPU decodes the sampled tokens while the host reads and hands them out
+            self._ahead = self._decode_tokens(self._running, pending.tokens, graphs=True)
+        sampled = pending.result()
         failed = {row.row for row in rows} if fill_error is not None else set()
         finished: list[int] = []
         for index, (seq, token, logprob) in enumerate(zip(self._running, sampled.token_ids, sampled.logprobs)):
@@ -364,7 +387,7 @@ class TorchEngine(Engine):
                 self._finish(seq, "error", error=f"mask fill failed: {fill_error}")
                 reason: Optional[FinishReason] = "error"
             else:
-                reason = self._advance(index, seq, token, logprob)
+                reason = self._advance(index, seq, token, logprob, fed)
             if reason is not None:
                 finished.append(index)
         for index in reversed(finished):
@@ -422,8 +445,16 @@ class TorchEngine(Engine):
         """Decode the first `num_decoding` running rows, then run the prompt chunks; the logits of
         every row that samples this step, in row order (None when no row does)."""
         logits = []
+        ahead, self._ahead = self._ahead, None
         if num_decoding:
-            logits.append(self._decode(self._running[:num_decoding], graphs))
+            batch = self._running[:num_decoding]
+            if ahead is None:
+                ahead = self._decode_tokens(batch, int64_to_device([seq.pending_tokens[0] for seq in batch],
+                                                                   self.device), graphs)
+                for seq in batch:
+                    seq.length += 1
+                    seq.pending_tokens = seq.pending_tokens[1:]  # a copy: the list went out in a delta
+            logits.append(self._extend_pending(batch, ahead[:num_decoding]))
         for chunk in chunks:
             row = self._prefill_chunk(chunk)
             if chunk.last:
@@ -432,22 +463,26 @@ class TorchEngine(Engine):
             return None
         return torch.cat(logits) if len(logits) > 1 else logits[0]
 
-    def _decode(self, batch: list[_Sequence], graphs: bool) -> torch.Tensor:
-        """Every sequence's first pending token in one batched decode; a sequence with forced tokens
-        behind it then feeds those through `extend`, whose last logits replace its row."""
+    def _decode_tokens(self, batch: list[_Sequence], token_ids: torch.Tensor, graphs: bool) -> torch.Tensor:
+        """One batched decode of `token_ids` (on the device) at each sequence's next position; the
+        caller advances the lengths."""
         positions = [seq.length for seq in batch]
-        self.cache.reserve(max(seq.length + len(seq.pending_tokens) for seq in batch))
-        token_ids = int64_to_device([seq.pending_tokens[0] for seq in batch], self.device)
+        self.cache.reserve(max(positions) + 1)
         positions_tensor = int64_to_device(positions, self.device)
         if graphs and self.decode_graphs is not None:
-            logits = self.decode_graphs.decode(token_ids, positions_tensor)
-        else:
-            logits = self.model.decode(token_ids, positions_tensor, max(positions) + 1, self.cache)
+            return self.decode_graphs.decode(token_ids, positions_tensor)
+        return self.model.decode(token_ids, positions_tensor, max(positions) + 1, self.cache)
+
+    def _extend_pending(self, batch: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Feed the tokens still pending after the decoded one (forced by a grammar) through
+        `extend`; its last logits replace the sequence's row."""
         for slot, seq in enumerate(batch):
-            if len(seq.pending_tokens) > 1:
-                forced = int64_to_device(seq.pending_tokens[1:], self.device)
-                logits[slot] = self.model.extend(forced, self.cache, slot, start=seq.length + 1)
-            seq.length += len(seq.pending_tokens)
+            if seq.pending_tokens:
+                self.cache.reserve(seq.length + len(seq.pending_tokens))
+                forced = int64_to_device(seq.pending_tokens, self.device)
+                logits[slot] = self.model.extend(forced, self.cache, slot, start=seq.length)
+                seq.length += len(seq.pending_tokens)
+                seq.pending_tokens = []
         return logits
 
     def _prefill_chunk(self, chunk: _Chunk) -> torch.Tensor:
@@ -504,10 +539,11 @@ class TorchEngine(Engine):
             seq.prompt_logprobs += token_logprobs(chunk_logprobs, targets[first:last], [num_top] * (last - first))[1]
         return logits
 
-    def _advance(self, row: int, seq: _Sequence, token: int, logprob: Optional[TokenLogprob] = None
+    def _advance(self, row: int, seq: _Sequence, token: int, logprob: Optional[TokenLogprob], fed: bool
                  ) -> Optional[FinishReason]:
         """Hand the sampled token, and the tokens its grammar forces after it, to its request; return a
-        finish reason when the sequence is done. A forced run stops short of max_tokens and the context."""
+        finish reason when the sequence is done. A forced run stops short of max_tokens and the context.
+        fed: the token is being decoded already (queued ahead), so only the forced ones are pending."""
         constraint = seq.request.constraint
         if constraint is not None and constraint.error is not None:
             self._finish(seq, "error", error=constraint.error)
@@ -532,7 +568,8 @@ class TorchEngine(Engine):
             self._finish(seq, "length", tokens, logprobs=logprobs)
             return "length"
         seq.emit(TokenDelta(tokens, logprobs=logprobs, prompt_logprobs=seq.take_prompt_logprobs()))
-        seq.pending_tokens = tokens
+        seq.pending_tokens = forced if fed else tokens
+        seq.length += fed
         self.sampler.record_forced(row, forced)
         if constraint is not None and not seq.fast_forward:
             seq.uncommitted_token = token
@@ -549,6 +586,8 @@ class TorchEngine(Engine):
         if index != last:
             self._move(last, index, self._running[last].length)
             self._running[index] = self._running[last]
+            if self._ahead is not None:
+                self._ahead[index] = self._ahead[last]
         self._running.pop()
         if self._prefilling is not None:
             self._move(last + 1, last, self._prefilling.length)
