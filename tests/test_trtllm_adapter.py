@@ -16,7 +16,7 @@ import pytest
 import torch
 from llguidance import LLMatcher, LLTokenizer
 
-from llgtrt_core.constraints.grammar import GrammarConstraint
+from llgtrt_core.constraints.grammar import GrammarCompiler, GrammarConstraint, build_ll_tokenizer
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor
 from llgtrt_core.engine.interface import ConstrainedRow, EngineError, GenerationRequest, SamplingParams
 from llgtrt_core.engine.trtllm_engine import (
@@ -30,6 +30,7 @@ from llgtrt_core.engine.trtllm_engine import (
 from llgtrt_core.engine.trtllm_processors import (
     BatchedConstraintProcessor,
     ConstrainedRequests,
+    GrammarSettings,
     ProcessorSession,
     RequestConstraintProcessor,
     WorkerGrammar,
@@ -80,16 +81,17 @@ class RecordingPostProcessor:
 
 
 def regex_constraint(pattern: str) -> GrammarConstraint:
-    return GrammarConstraint(LLMatcher(BYTE_TOKENIZER, LLMatcher.grammar_from_regex(pattern)))
+    grammar = LLMatcher.grammar_from_regex(pattern)
+    return GrammarConstraint(LLMatcher(BYTE_TOKENIZER, grammar), grammar)
 
 
-def make_engine(model_dir: Path, backend: str, postprocessor=None, max_model_len: int = 64,
+def make_engine(model_dir: Path, backend: str, postprocessor=None, max_model_len: int = 64, grammars=None,
                 **overrides) -> TrtLlmEngine:
     config = TrtLlmEngineConfig(
         model_dir=str(model_dir), backend=backend, vocab_size=VOCAB, max_model_len=max_model_len, eos_token_id=EOS,
         **overrides,
     )
-    return TrtLlmEngine(config, postprocessor)
+    return TrtLlmEngine(config, postprocessor, grammars)
 
 
 def request(request_id: str, prompt: list[int], max_tokens: int = 8, constraint=None, **sampling) -> GenerationRequest:
@@ -269,7 +271,102 @@ def test_closing_the_stream_early_aborts_the_request(fake_trt, model_dir):
         return result
 
     first_tokens, active, leftover = run(main())
-    assert first_tokens == [1] and active == 0 and leftover == 0
+    # the first delta holds whatever was read before the consumer looked: one chunk from token 1
+    assert first_tokens == list(range(1, len(first_tokens) + 1)) and active == 0 and leftover == 0
+
+
+def test_streaming_starts_one_task_per_request_not_per_token(fake_trt, model_dir):
+    """Each token costs the event loop no task of its own (nor an asyncio.wait over two)."""
+
+    async def main():
+        engine = make_engine(model_dir, "pytorch", max_model_len=256)
+        await engine.start()
+        loop = asyncio.get_running_loop()
+        started = []
+
+        def counting_factory(loop, coro, **kwargs):
+            started.append(getattr(coro, "__qualname__", repr(coro)))
+            return asyncio.Task(coro, loop=loop, **kwargs)
+
+        loop.set_task_factory(counting_factory)
+        try:
+            tokens, reason, _ = await collect(engine, request("r", [0], max_tokens=100))
+        finally:
+            loop.set_task_factory(None)
+        await engine.shutdown()
+        return tokens, reason, started
+
+    tokens, reason, started = run(main())
+    assert len(tokens) == 100 and reason == "length"
+    assert started == ["TrtLlmEngine._read"]
+
+
+def test_abort_ends_the_stream_without_waiting_for_tensorrt_llm(fake_trt, model_dir):
+    async def main():
+        engine = make_engine(model_dir, "pytorch", max_model_len=20_000)
+        await engine.start()
+        stream = engine.generate(request("stuck", [0], max_tokens=10_000))
+        first = await stream.__anext__()
+        engine._llm.fake_executor.shutdown()  # TensorRT-LLM answers nothing more, not even 'cancelled'
+        engine.abort("stuck")
+        rest = [delta async for delta in stream]
+        active = engine.num_active
+        await engine.shutdown()
+        return first, rest, active
+
+    first, rest, active = run(main())
+    assert first.token_ids and first.finish_reason is None
+    assert rest[-1].finish_reason == "abort" and all(d.finish_reason is None for d in rest[:-1])
+    assert active == 0
+
+
+def test_a_failing_executor_step_ends_the_stream_with_its_error(fake_trt, model_dir):
+    class FailingPostProcessor:
+        def __call__(self, rows, logits, stream=None) -> None:
+            raise RuntimeError("mask kernel exploded")
+
+    async def main():
+        engine = make_engine(model_dir, "pytorch", FailingPostProcessor())
+        await engine.start()
+        deltas = [d async for d in engine.generate(request("f", [10], max_tokens=5, constraint=regex_constraint("a+")))]
+        active, constrained = engine.num_active, len(engine.constrained)
+        await engine.shutdown()
+        return deltas, active, constrained
+
+    deltas, active, constrained = run(main())
+    assert len(deltas) == 1 and deltas[0].token_ids == [] and deltas[0].finish_reason == "error"
+    assert "mask kernel exploded" in deltas[0].error
+    assert active == 0 and constrained == 0
+
+
+# --- context length -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["pytorch", "tensorrt"])
+def test_max_model_len_is_the_pytorch_backends_max_seq_len(fake_trt, model_dir, backend):
+    async def main():
+        engine = make_engine(model_dir, backend, max_model_len=48)
+        await engine.start()
+        llm_kwargs = engine._llm.kwargs
+        await engine.shutdown()
+        return llm_kwargs
+
+    llm_kwargs = run(main())
+    # a built engine's limit is its build_config.max_seq_len: TensorRT-LLM only warns about a runtime one
+    assert llm_kwargs.get("max_seq_len") == (48 if backend == "pytorch" else None)
+
+
+def test_max_model_len_beyond_the_built_engines_max_seq_len_is_refused(fake_trt, model_dir):
+    (model_dir / "config.json").write_text(json.dumps({"vocab_size": VOCAB, "build_config": {"max_seq_len": 32}}))
+
+    async def start(max_model_len: int) -> None:
+        engine = make_engine(model_dir, "tensorrt", max_model_len=max_model_len)
+        await engine.start()
+        await engine.shutdown()
+
+    run(start(32))
+    with pytest.raises(EngineError, match="build max_seq_len 32"):
+        run(start(33))
 
 
 # --- constraints ----------------------------------------------------------------------------
@@ -456,7 +553,8 @@ def test_copy_mask_to_other_beams():
 
 
 def test_per_request_processor_pickles_to_plain_data_only():
-    grammar = WorkerGrammar("start: /[a-c]+/", "/models/x", VOCAB, (EOS,))
+    settings = GrammarSettings.of(GrammarCompiler(BYTE_TOKENIZER), "/models/x")
+    grammar = WorkerGrammar("start: /[a-c]+/", settings)
     processor = RequestConstraintProcessor("session", "req-1", grammar)
     clone = pickle.loads(pickle.dumps(processor))
     assert (clone.session_id, clone.key, clone.worker_grammar) == ("session", "req-1", grammar)
@@ -464,17 +562,103 @@ def test_per_request_processor_pickles_to_plain_data_only():
         pickle.dumps(RequestConstraintProcessor("session", "req-2"))
 
 
-def test_per_request_processor_rebuilds_its_matcher_outside_the_serving_process(monkeypatch):
-    """In a TensorRT-LLM worker process no session is registered: the processor builds a
-    matcher from the grammar text (the tokenizer lookup is patched to the byte tokenizer)."""
-    from llgtrt_core.engine import trtllm_processors
+def test_per_request_processor_leaves_a_request_that_ended_here_alone():
+    """TensorRT-LLM may run one more step for a request the adapter already removed (aborted):
+    the serving process must not mistake itself for a worker and rebuild its constraint."""
+    from llgtrt_core.engine.trtllm_processors import register_session, unregister_session
 
-    monkeypatch.setattr(trtllm_processors, "_worker_ll_tokenizer", lambda *args: BYTE_TOKENIZER)
-    grammar = WorkerGrammar(LLMatcher.grammar_from_regex("ab"), "/unused", VOCAB, (EOS,))
-    processor = pickle.loads(pickle.dumps(RequestConstraintProcessor("not-registered", "k", grammar)))
-    allowed = []
-    for sequence in ([5], [5, 97], [5, 97, 98]):
+    register_session("serving", _session(RecordingPostProcessor()))
+    try:
+        settings = GrammarSettings.of(GrammarCompiler(BYTE_TOKENIZER), "/nonexistent")
+        processor = RequestConstraintProcessor("serving", "gone", WorkerGrammar("start: /a/", settings))
         logits = torch.randn(1, 1, VOCAB)
+        untouched = logits.clone()
+        processor(1, logits, [[5, 97]], None, None)
+    finally:
+        unregister_session("serving")
+    assert torch.equal(logits, untouched)
+
+
+# --- the serving process's constraint settings in TensorRT-LLM's worker processes -------------
+
+TIGHT_LIMITS = {"step_max_items": 50}
+AMBIGUOUS = 'start: s\ns: s s | "a"'  # Earley items grow with every "a"
+
+
+def test_grammar_settings_are_read_off_the_serving_processs_compiler(smollm2_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
+    padded_vocab, eos_override = len(hf) + 64, (7, 5)  # config tokenizer.n_vocab_override, eos_token_ids
+    compiler = GrammarCompiler(build_ll_tokenizer(hf, padded_vocab, eos_override), limits=TIGHT_LIMITS, log_level=1)
+    settings = GrammarSettings.of(compiler, str(smollm2_tokenizer_dir))
+    assert (settings.vocab_size, settings.eos_token_ids, settings.log_level) == (padded_vocab, eos_override, 1)
+    assert dict(settings.limits)["step_max_items"] == 50
+    assert dict(settings.limits)["max_items_in_row"] == compiler.limits.max_items_in_row  # the rest as compiled
+    compiler.close()
+
+
+def test_the_engine_hands_its_compilers_settings_to_per_request_processors(fake_trt, model_dir):
+    compiler = GrammarCompiler(BYTE_TOKENIZER, limits=TIGHT_LIMITS)
+    constraint = regex_constraint("[a-c]{2}")
+
+    async def main():
+        engine = make_engine(model_dir, "pytorch", RecordingPostProcessor(), grammars=compiler,
+                             tokenizer_dir="/models/x")
+        await engine.start()
+        result = await collect(engine, request("c", [10], max_tokens=20, constraint=constraint))
+        processor = engine._llm.submitted[0].logits_processor
+        await engine.shutdown()
+        return result, processor
+
+    result, processor = run(main())
+    assert result == ([97, 98], "stop", None)
+    assert processor.worker_grammar == WorkerGrammar(constraint.grammar, GrammarSettings.of(compiler, "/models/x"))
+    compiler.close()
+
+
+def test_constrained_requests_in_worker_processes_need_the_grammar_settings(fake_trt, model_dir):
+    async def main():
+        engine = make_engine(model_dir, "pytorch", RecordingPostProcessor(), single_process=False)
+        await engine.start()
+        try:
+            with pytest.raises(EngineError, match="grammar compiler"):
+                await collect(engine, request("c", [10], constraint=regex_constraint("a")))
+        finally:
+            await engine.shutdown()
+
+    run(main())
+
+
+def _worker_masks(settings: GrammarSettings, grammar: str, token: int, steps: int) -> list[list[int]]:
+    """The allowed tokens per step of a processor running where no session is registered (a
+    TensorRT-LLM worker process), committing `token` each step."""
+    processor = RequestConstraintProcessor("not-registered", "k", WorkerGrammar(grammar, settings))
+    processor = pickle.loads(pickle.dumps(processor))
+    sequence, allowed = [0], []
+    for _ in range(steps):
+        logits = torch.randn(1, 1, settings.vocab_size)
         processor(1, logits, [sequence], None, None)
         allowed.append(_allowed(logits[0, 0]))
-    assert allowed == [[97], [98], [EOS]]
+        sequence = sequence + [token]
+    return allowed
+
+
+def test_a_worker_process_rebuilds_constraints_with_the_serving_processs_settings(smollm2_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
+    a = hf.convert_tokens_to_ids("a")
+    padded_vocab, eos_override = len(hf) + 64, (7, 5)
+    tight = GrammarCompiler(build_ll_tokenizer(hf, padded_vocab, eos_override), limits=TIGHT_LIMITS)
+    settings = GrammarSettings.of(tight, str(smollm2_tokenizer_dir))
+
+    # the overridden logits width and EOS ids: "a" then the configured EOS tokens only
+    assert _worker_masks(settings, LLMatcher.grammar_from_regex("a"), a, 2) == [[a], sorted(eos_override)]
+    # the configured parser limits: the ambiguous grammar fails (EOS only) within 60 tokens...
+    assert sorted(eos_override) in _worker_masks(settings, LLMatcher.grammar_from_lark(AMBIGUOUS), a, 60)
+    # ...where llguidance's defaults let it go on
+    default_limits = GrammarSettings.of(GrammarCompiler(build_ll_tokenizer(hf, padded_vocab, eos_override)),
+                                        str(smollm2_tokenizer_dir))
+    assert all(a in allowed for allowed in _worker_masks(default_limits, LLMatcher.grammar_from_lark(AMBIGUOUS), a, 60))
+    tight.close()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from llgtrt_core.config import RuntimeConfig
 from llgtrt_core.engine.interface import Engine, LogitsPostProcessor
+
+if TYPE_CHECKING:
+    from llgtrt_core.constraints.grammar import GrammarCompiler
 
 TENSORRT_LLM_KINDS = ("tensorrt_llm", "tensorrt_llm_engine")
 
@@ -17,6 +20,7 @@ def create_engine(
     runtime: RuntimeConfig,
     post_processor: Optional[LogitsPostProcessor],
     eos_token_id: int,
+    grammars: Optional[GrammarCompiler] = None,  # TensorRT-LLM's worker processes rebuild with its settings
 ) -> Engine:
     kind = metadata.get("engine", "pytorch")
     if kind == "pytorch":
@@ -41,5 +45,5 @@ def create_engine(
             kv_cache_max_tokens=runtime.kv_cache_max_tokens,
             enable_block_reuse=runtime.enable_kv_cache_reuse,
         )
-        return TrtLlmEngine(trt_config, post_processor)
+        return TrtLlmEngine(trt_config, post_processor, grammars)
     raise ValueError(f"stored model asks for engine {kind!r}; known: pytorch, {', '.join(TENSORRT_LLM_KINDS)}")

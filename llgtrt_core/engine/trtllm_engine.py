@@ -10,18 +10,25 @@ TensorRT backend gets one batched processor at construction and constrained requ
 with `apply_batched_logits_processor=True`; the PyTorch backend gets a per-request processor.
 Both need TensorRT-LLM's executor in this process, which is how this adapter runs it at
 tensor_parallel_size 1 (TLLM_WORKER_USE_SINGLE_PROCESS=1); at larger TP the per-request
-processor rebuilds its matcher in TensorRT-LLM's worker processes.
+processor rebuilds its matcher in TensorRT-LLM's worker processes, with the settings of the
+`GrammarCompiler` the serving process compiles with.
+
+Each request's responses are read by one task for its whole life, which turns each into a
+`TokenDelta` the moment it arrives (TensorRT-LLM updates one output object in place, so the
+diff must be taken then) and queues it; `generate` yields from that queue. An abort ends the
+stream at once through the same queue, without waiting for TensorRT-LLM's last response.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Literal, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Literal, Optional
 
 from llgtrt_core.engine.interface import (
     Engine,
@@ -35,12 +42,16 @@ from llgtrt_core.engine.interface import (
 from llgtrt_core.engine.trtllm_processors import (
     BatchedConstraintProcessor,
     ConstrainedRequests,
+    GrammarSettings,
     ProcessorSession,
     RequestConstraintProcessor,
     WorkerGrammar,
     register_session,
     unregister_session,
 )
+
+if TYPE_CHECKING:
+    from llgtrt_core.constraints.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +70,12 @@ class TrtLlmEngineConfig:
     model_dir: str  # HF checkpoint (pytorch backend) or TensorRT engine directory (tensorrt)
     backend: Backend
     vocab_size: int  # logits width
-    max_model_len: int  # prompt + completion tokens (the engine's max_seq_len)
+    max_model_len: int  # prompt + completion tokens: the PyTorch backend's max_seq_len
     eos_token_id: int
     tokenizer_dir: Optional[str] = None  # HF tokenizer files; worker processes rebuild grammars from it
     tensor_parallel_size: int = 1
     max_batch_size: Optional[int] = None
     max_num_tokens: Optional[int] = None
-    max_seq_len: Optional[int] = None
     kv_cache_free_gpu_memory_fraction: float = 0.9
     kv_cache_max_tokens: Optional[int] = None
     enable_block_reuse: bool = True
@@ -155,6 +165,13 @@ _PASSED_THROUGH = (
 )
 
 
+def built_max_seq_len(engine_dir: str) -> Optional[int]:
+    """A built TensorRT engine's `build_config.max_seq_len` (its config.json). TensorRT-LLM
+    takes a built engine's sequence limit from there and only warns about a runtime `max_seq_len`."""
+    config = json.loads((Path(engine_dir) / "config.json").read_text())
+    return config.get("build_config", {}).get("max_seq_len")
+
+
 def unsupported_sampling(sampling: SamplingParams) -> Optional[str]:
     """What this adapter cannot honour yet (refused, never silently dropped)."""
     if sampling.logit_bias:
@@ -178,17 +195,36 @@ def finish_reason_of(trt_reason: Optional[str]) -> tuple[FinishReason, Optional[
 @dataclass
 class _Running:
     output: Any  # tensorrt_llm RequestOutput, updated in place each step
-    aborted: asyncio.Event
+    deltas: asyncio.Queue  # TokenDelta, in order; the one with a finish_reason is the last read
+    reader: Optional[asyncio.Future] = None  # the task reading `output` for the request's life
+    aborted: bool = False
+
+    def finish_with_abort(self) -> None:
+        """End the stream now: stop reading and queue the abort (a delta already queued with a
+        finish reason still comes first and ends the stream)."""
+        self.aborted = True
+        if self.reader is not None:
+            self.reader.cancel()
+        self.deltas.put_nowait(TokenDelta(finish_reason="abort"))
 
 
 class TrtLlmEngine(Engine):
     """`Engine` over `tensorrt_llm.LLM`; every method is called from the event loop."""
 
-    def __init__(self, config: TrtLlmEngineConfig, postprocessor: Optional[LogitsPostProcessor] = None) -> None:
+    def __init__(
+        self,
+        config: TrtLlmEngineConfig,
+        postprocessor: Optional[LogitsPostProcessor] = None,
+        grammars: Optional[GrammarCompiler] = None,
+    ) -> None:
         self.config = config
         self.vocab_size = config.vocab_size
         self.max_model_len = config.max_model_len
         self.postprocessor = postprocessor  # the same object can drive the embedded engine
+        # what worker processes (TP > 1) rebuild the serving process's constraints with
+        self.grammar_settings: Optional[GrammarSettings] = None
+        if grammars is not None and config.tokenizer_dir is not None:
+            self.grammar_settings = GrammarSettings.of(grammars, config.tokenizer_dir)
         self.constrained = ConstrainedRequests()
         self._session_id = uuid.uuid4().hex
         self._llm: Any = None
@@ -223,17 +259,23 @@ class TrtLlmEngine(Engine):
             "tensor_parallel_size": config.tensor_parallel_size,
             "kv_cache_config": KvCacheConfig(**kv_cache),
         }
-        for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
+        for name in ("max_batch_size", "max_num_tokens"):
             if getattr(config, name) is not None:
                 kwargs[name] = getattr(config, name)
         if config.backend == "tensorrt":
             from tensorrt_llm._tensorrt_engine import LLM
 
+            # the engine's sequence limit was fixed at build time; ours must fit in it
+            built = built_max_seq_len(config.model_dir)
+            if built is not None and config.max_model_len > built:
+                raise EngineError(f"max_model_len {config.max_model_len} exceeds the engine's build max_seq_len "
+                                  f"{built}; lower it or rebuild the engine with trtllm-build --max_seq_len")
             if self.batched_processor is not None:
                 kwargs["batched_logits_processor"] = self.batched_processor
         else:
             from tensorrt_llm import LLM
 
+            kwargs["max_seq_len"] = config.max_model_len  # sizes its KV cache and bounds every sequence
             kwargs["disable_overlap_scheduler"] = config.disable_overlap_scheduler
         kwargs.update(config.extra_llm_args)
         logger.info("loading TensorRT-LLM (%s backend) from %s", config.backend, config.model_dir)
@@ -255,46 +297,46 @@ class TrtLlmEngine(Engine):
 
     def abort(self, request_id: str) -> None:
         running = self._running.get(request_id)
-        if running is not None and not running.aborted.is_set():
-            running.aborted.set()
+        if running is not None and not running.aborted:
+            running.finish_with_abort()
             running.output.abort()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         output, constraint_key = self._submit(request)
-        running = _Running(output, asyncio.Event())
+        running = _Running(output, asyncio.Queue())
+        running.reader = asyncio.ensure_future(self._read(running, request, constraint_key))
         self._running[request.request_id] = running
-        stops = set(request.sampling.stop_token_ids)
         finished = False
-        aborted = asyncio.ensure_future(running.aborted.wait())
         try:
             while not finished:
-                step = asyncio.ensure_future(output.__anext__())
-                await asyncio.wait({step, aborted}, return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
-                    step.cancel()
-                    finished = True
-                    yield TokenDelta(finish_reason="abort")
-                    return
-                try:
-                    step.result()
-                except StopAsyncIteration:
-                    finished = True
-                    yield TokenDelta(finish_reason="error", error="TensorRT-LLM ended the stream without a result")
-                    return
-                except Exception as error:  # the executor's failures arrive here
-                    finished = True
-                    yield TokenDelta(finish_reason="error", error=f"TensorRT-LLM: {error}")
-                    return
-                delta, finished = self._delta(output, request, stops, constraint_key)
-                if delta.token_ids or delta.finish_reason:
-                    yield delta
+                delta = await running.deltas.get()
+                while delta.finish_reason is None and not running.deltas.empty():
+                    delta = delta.then(running.deltas.get_nowait())  # a consumer that fell behind: one chunk
+                finished = delta.finish_reason is not None
+                yield delta
         finally:
-            aborted.cancel()
-            if not finished and not running.aborted.is_set():
+            running.reader.cancel()
+            if not finished and not running.aborted:
                 output.abort()  # the consumer closed the stream early
             self._running.pop(request.request_id, None)
             if constraint_key is not None:
                 self.constrained.remove(constraint_key)
+
+    async def _read(self, running: _Running, request: GenerationRequest, constraint_key: Any) -> None:
+        """The request's one reader: each TensorRT-LLM response becomes a queued delta at once."""
+        output, stops = running.output, set(request.sampling.stop_token_ids)
+        finished = False
+        while not finished:
+            try:
+                await output.__anext__()
+                delta, finished = self._delta(output, request, stops, constraint_key)
+            except StopAsyncIteration:
+                delta = TokenDelta(finish_reason="error", error="TensorRT-LLM ended the stream without a result")
+                finished = True
+            except Exception as error:  # the executor's failures arrive here
+                delta, finished = TokenDelta(finish_reason="error", error=f"TensorRT-LLM: {error}"), True
+            if delta.token_ids or delta.finish_reason:
+                running.deltas.put_nowait(delta)
 
     def _submit(self, request: GenerationRequest) -> tuple[Any, Any]:
         """Submit to TensorRT-LLM; returns the streaming output and the constraint table key."""
@@ -327,7 +369,8 @@ class TrtLlmEngine(Engine):
         key = request.request_id
         processor = RequestConstraintProcessor(self._session_id, key, self._worker_grammar(constraint))
         if not self.config.in_process and processor.worker_grammar is None:
-            raise EngineError("constrained requests at tensor_parallel_size > 1 need the grammar text")
+            raise EngineError("constrained requests at tensor_parallel_size > 1 need the grammar text "
+                              "and the engine built with the grammar compiler and tokenizer_dir")
         self.constrained.add(key, constraint, len(prompt))
         try:
             output = self._llm.generate_async(prompt, TrtSamplingParams(logits_processor=processor, **kwargs), streaming=True)
@@ -338,9 +381,9 @@ class TrtLlmEngine(Engine):
 
     def _worker_grammar(self, constraint: Any) -> Optional[WorkerGrammar]:
         grammar = getattr(constraint, "grammar", None)
-        if not isinstance(grammar, str) or self.config.tokenizer_dir is None:
+        if not isinstance(grammar, str) or not grammar or self.grammar_settings is None:
             return None
-        return WorkerGrammar(grammar, self.config.tokenizer_dir, self.vocab_size, (self.config.eos_token_id,))
+        return WorkerGrammar(grammar, self.grammar_settings)
 
     def _delta(
         self, output: Any, request: GenerationRequest, stops: set[int], constraint_key: Any

@@ -14,8 +14,9 @@ Both find the request's `Constraint` in a `ConstrainedRequests` table living in 
 which works when TensorRT-LLM's executor runs in-process (TP 1 with
 TLLM_WORKER_USE_SINGLE_PROCESS=1, what `TrtLlmEngine` sets up). When TensorRT-LLM runs its
 executor in other processes (TP > 1), the per-request processor is pickled there without that
-table; it then rebuilds an llguidance matcher from the grammar text it carries and the model's
-tokenizer files, once per process for the tokenizer.
+table; it then rebuilds the serving process's llguidance objects from `GrammarSettings` (the
+resolved vocab size, EOS ids, parser limits and log level; once per process) and a matcher from
+the grammar text it carries, and masks through the same `MaskPostProcessor` code.
 
 TensorRT-LLM reports sequences, not new tokens: the newest token is `token_ids[beam][-1]`, and
 it is committed to the constraint only when the sequence grew since the last call, so a
@@ -25,14 +26,19 @@ repeated call within one step never commits twice.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 from dataclasses import dataclass
-from typing import Any, Hashable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Optional, Sequence
 
 import torch
 
+from llgtrt_core.config import LimitsConfig
 from llgtrt_core.engine.interface import ConstrainedRow, Constraint, LogitsPostProcessor
+
+if TYPE_CHECKING:
+    from llgtrt_core.constraints.grammar import GrammarCompiler
 
 NEG_INF = float("-inf")
 
@@ -226,31 +232,67 @@ class BatchedConstraintProcessor:
                     copy_mask_to_other_beams(per_request.reshape(per_request.shape[0], per_request.shape[-1]))
 
 
+# LLParserLimits' fields: the parser limits the config sets (`llguidance.limits`)
+LIMIT_FIELDS = tuple(f.name for f in dataclasses.fields(LimitsConfig))
+
+
+@dataclass(frozen=True)
+class GrammarSettings:
+    """The serving process's resolved constraint settings, as plain data a TensorRT-LLM worker
+    process rebuilds the same llguidance objects from: the logits width and EOS ids the
+    llguidance tokenizer was built with (config `tokenizer.n_vocab_override`,
+    `tokenizer.eos_token_ids`) and the compiler's parser limits and log level (`llguidance.*`)."""
+
+    tokenizer_dir: str  # the stored model's top-level tokenizer files
+    vocab_size: int  # logits width llguidance assumes
+    eos_token_ids: tuple[int, ...]
+    limits: tuple[tuple[str, Any], ...]  # (LLParserLimits field, value)
+    log_level: int
+
+    @classmethod
+    def of(cls, grammars: GrammarCompiler, tokenizer_dir: str) -> GrammarSettings:
+        """Read off the compiler that builds the serving process's constraints (and whose
+        tokenizer the post-processor masks with), so a worker's cannot differ from them."""
+        tokenizer, limits = grammars.tokenizer, grammars.limits
+        return cls(
+            tokenizer_dir,
+            tokenizer.vocab_size,
+            tuple(tokenizer.eos_tokens),
+            tuple((name, getattr(limits, name)) for name in LIMIT_FIELDS),
+            grammars.log_level,
+        )
+
+
 @dataclass(frozen=True)
 class WorkerGrammar:
-    """What a worker process needs to rebuild a request's matcher: plain data, cheap to pickle."""
+    """What a worker process needs to rebuild a request's constraint: plain data, cheap to pickle."""
 
     grammar: str  # llguidance grammar text, as compiled by llgtrt_core.constraints
-    tokenizer_dir: str  # the stored model's top-level tokenizer files
-    vocab_size: int  # logits width
-    eos_token_ids: tuple[int, ...]
+    settings: GrammarSettings
+
+
+@dataclass(frozen=True)
+class _WorkerConstraints:
+    """A worker process's counterparts of the serving process's tokenizer, limits and post-processor."""
+
+    tokenizer: Any  # llguidance.LLTokenizer
+    limits: Any  # llguidance.LLParserLimits
+    session: ProcessorSession  # its table stays empty: each processor tracks its own request
 
 
 @functools.lru_cache(maxsize=4)
-def _worker_ll_tokenizer(tokenizer_dir: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Any:
-    """The llguidance tokenizer, built once per worker process and model (the costly part)."""
+def _worker_constraints(settings: GrammarSettings) -> _WorkerConstraints:
+    """Built once per worker process and settings (the llguidance tokenizer is the costly part)."""
     from transformers import AutoTokenizer
 
-    from llgtrt_core.constraints.grammar import build_ll_tokenizer
+    from llgtrt_core.constraints.grammar import build_ll_tokenizer, parser_limits
+    from llgtrt_core.constraints.postprocessor import MaskPostProcessor
 
-    return build_ll_tokenizer(AutoTokenizer.from_pretrained(tokenizer_dir), vocab_size, eos_token_ids)
-
-
-@dataclass
-class _WorkerMatcher:
-    matcher: Any  # llguidance.LLMatcher
-    bitmask: torch.Tensor  # (1, words) int32, reused every step
-    seen_len: int
+    hf_tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_dir)
+    tokenizer = build_ll_tokenizer(hf_tokenizer, settings.vocab_size, settings.eos_token_ids)
+    postprocessor = MaskPostProcessor(tokenizer, max_batch_size=1)  # called one request at a time
+    session = ProcessorSession(ConstrainedRequests(), postprocessor, settings.eos_token_ids[0])
+    return _WorkerConstraints(tokenizer, parser_limits(dict(settings.limits)), session)
 
 
 class RequestConstraintProcessor:
@@ -259,21 +301,22 @@ class RequestConstraintProcessor:
     A `tensorrt_llm.sampling_params.LogitsProcessor` by signature. It pickles to its ids and
     `WorkerGrammar` only: in this process it resolves the session and runs our post-processor
     on the very `Constraint` the serving layer built; in a TensorRT-LLM worker process it
-    rebuilds a matcher from the grammar. Masks are filled one request at a time (TensorRT-LLM's
-    PyTorch backend calls per-request processors one after another).
+    rebuilds that constraint from the grammar and settings and runs the same code on it. Masks
+    are filled one request at a time (TensorRT-LLM's PyTorch backend calls per-request
+    processors one after another).
     """
 
     def __init__(self, session_id: str, key: Hashable, worker_grammar: Optional[WorkerGrammar] = None) -> None:
         self.session_id = session_id
         self.key = key
         self.worker_grammar = worker_grammar
-        self._worker: Optional[_WorkerMatcher] = None
+        self._worker_tracked: Optional[TrackedConstraint] = None
 
     def __getstate__(self) -> dict:
         if self.worker_grammar is None:
             raise TypeError(
                 "this constrained request cannot run in a TensorRT-LLM worker process: its constraint "
-                "carries no grammar text; run with tensor_parallel_size=1 in-process"
+                "carries no grammar text or the engine no grammar settings; run with tensor_parallel_size=1 in-process"
             )
         return {"session_id": self.session_id, "key": self.key, "worker_grammar": self.worker_grammar}
 
@@ -289,64 +332,39 @@ class RequestConstraintProcessor:
         client_id: Optional[int],
     ) -> None:
         beams = logits.reshape(logits.shape[0], logits.shape[-1])
+        sequence = token_ids[0]
         session = _SESSIONS.get(self.session_id)
-        tracked = session.requests.get(self.key) if session is not None else None
-        if tracked is not None:
-            stream = torch.cuda.ExternalStream(stream_ptr) if stream_ptr else _current_stream(logits)
-            with _stream_context(stream):
-                self._run_in_process(session, tracked, beams, token_ids[0], stream)
+        if session is not None:  # the serving process
+            tracked = session.requests.get(self.key)
+            if tracked is None:
+                return  # the request already ended here (finished or aborted): its last logits do not matter
         elif self.worker_grammar is not None:
-            self._run_in_worker(beams, token_ids[0])
+            # a worker process: the client then sees `stop` on a grammar error, which cannot travel back
+            session, tracked = self._in_worker(len(sequence))
         else:
             raise RuntimeError(f"constrained request {self.key!r} is unknown to this process")
+        stream = torch.cuda.ExternalStream(stream_ptr) if stream_ptr else _current_stream(logits)
+        with _stream_context(stream):
+            new_token = tracked.advance(sequence)
+            if tracked.sync_error:
+                force_end(beams[:1], session.end_id)
+            else:  # a failed constraint still goes in: the post-processor masks it to EOS
+                session.postprocessor([ConstrainedRow(tracked.constraint, 0, new_token)], beams[:1], stream)
+            copy_mask_to_other_beams(beams)
 
-    @staticmethod
-    def _run_in_process(
-        session: ProcessorSession,
-        tracked: TrackedConstraint,
-        beams: torch.Tensor,
-        sequence: Sequence[int],
-        stream: Optional[torch.cuda.Stream],
-    ) -> None:
-        new_token = tracked.advance(sequence)
-        if tracked.sync_error:
-            force_end(beams[:1], session.end_id)
-        else:
-            session.postprocessor([ConstrainedRow(tracked.constraint, 0, new_token)], beams[:1], stream)
-        copy_mask_to_other_beams(beams)
-
-    def _run_in_worker(self, beams: torch.Tensor, sequence: Sequence[int]) -> None:
-        from llguidance.torch import fill_next_token_bitmask
-
-        from llgtrt_core.kernels import apply_token_bitmask_inplace
-
-        state = self._worker_state(len(sequence))
-        grown = len(sequence) - state.seen_len
-        if grown == 1:
-            state.matcher.consume_token(int(sequence[-1]))
-        state.seen_len = len(sequence)
-        grammar = self.worker_grammar
-        # the client then sees `stop`: a worker process cannot report the error back
-        if grown not in (0, 1) or state.matcher.is_error():
-            force_end(beams[:1], grammar.eos_token_ids[0])
-        else:
-            fill_next_token_bitmask(state.matcher, state.bitmask, 0)
-            apply_token_bitmask_inplace(beams[:1], state.bitmask)
-        copy_mask_to_other_beams(beams)
-
-    def _worker_state(self, prompt_len: int) -> _WorkerMatcher:
-        if self._worker is None:
+    def _in_worker(self, prompt_len: int) -> tuple[ProcessorSession, TrackedConstraint]:
+        worker = _worker_constraints(self.worker_grammar.settings)
+        if self._worker_tracked is None:
             from llguidance import LLMatcher
-            from llguidance.torch import allocate_token_bitmask
 
-            grammar = self.worker_grammar
-            tokenizer = _worker_ll_tokenizer(grammar.tokenizer_dir, grammar.vocab_size, grammar.eos_token_ids)
-            self._worker = _WorkerMatcher(
-                LLMatcher(tokenizer, grammar.grammar), allocate_token_bitmask(1, grammar.vocab_size), prompt_len
-            )
-        return self._worker
+            from llgtrt_core.constraints.grammar import GrammarConstraint
+
+            grammar, settings = self.worker_grammar.grammar, self.worker_grammar.settings
+            # built as the serving process's GrammarCompiler builds it, with the same settings
+            matcher = LLMatcher(worker.tokenizer, grammar, log_level=settings.log_level, limits=worker.limits)
+            self._worker_tracked = TrackedConstraint(GrammarConstraint(matcher, grammar), prompt_len)
+        return worker.session, self._worker_tracked
 
 
 def _current_stream(logits: torch.Tensor) -> Optional[torch.cuda.Stream]:
     return torch.cuda.current_stream(logits.device) if logits.is_cuda else None
-

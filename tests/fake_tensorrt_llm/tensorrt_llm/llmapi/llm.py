@@ -14,6 +14,8 @@ NOT NVIDIA's code. It mirrors what the adapter relies on in TensorRT-LLM 1.2:
   as the real IPC to the worker process would.
 - Finish reasons: END_ID -> 'stop' (the end token stays in token_ids), a stop token ->
   'stop' (trimmed), max_tokens -> 'length', abort -> 'cancelled'.
+- A step that raises (e.g. in a logits processor) fails every request in it: their iterators
+  raise `RequestError`, as TensorRT-LLM's results do through the executor's error handler.
 
 The toy model reads `vocab_size` from `<model>/config.json`; its logits favour token
 (last + 1) % V, then (last + 2) % V, and so on.
@@ -64,6 +66,10 @@ class CompletionOutput:
         return self.token_ids[self._last_token_ids_len:]
 
 
+class RequestError(RuntimeError):
+    """As tensorrt_llm.executor.utils.RequestError: a request the executor failed."""
+
+
 class RequestOutput:
     """Streaming result: the same object is updated by each response (as in the real API)."""
 
@@ -91,13 +97,20 @@ class RequestOutput:
     def _deliver(self, tokens: List[int], final: bool, reason: Optional[str], trim: int) -> None:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, (tokens, final, reason, trim))
 
+    def _fail(self, error: BaseException) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, error)
+
     def __aiter__(self) -> "RequestOutput":
         return self
 
     async def __anext__(self) -> "RequestOutput":
         if self._done:
             raise StopAsyncIteration
-        tokens, final, reason, trim = await self._queue.get()
+        response = await self._queue.get()
+        if isinstance(response, BaseException):
+            self._done = True
+            raise RequestError(str(response))
+        tokens, final, reason, trim = response
         output = self.outputs[0]
         output._last_token_ids_len = len(output.token_ids)
         output.token_ids.extend(tokens)
@@ -170,7 +183,7 @@ class _FakeExecutor:
             except BaseException as error:  # surfaced to tests through `errors`
                 self.errors.append(error)
                 for request in batch:
-                    request.output._deliver([], True, None, 0)
+                    request.output._fail(error)
                 with self._wake:
                     self._active = []
 
@@ -237,7 +250,8 @@ class BaseLLM:
     _backend = "pytorch"
     _valid_args = _TORCH_ARGS
 
-    # test knobs, not TensorRT-LLM's: rows per request handed to processors
+    # test knobs, not TensorRT-LLM's: rows per request handed to processors; `submitted` holds
+    # each request's SamplingParams as the executor got them
     beam_rows = 1
 
     def __init__(self, model, tokenizer=None, tokenizer_mode="auto", skip_tokenizer_init=False,
@@ -254,6 +268,7 @@ class BaseLLM:
         vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         self.tokenizer = None
         self._ids = itertools.count(1)
+        self.submitted: List[SamplingParams] = []
         self._executor: Optional[_FakeExecutor] = _FakeExecutor(
             vocab_size, self._backend, kwargs.get("batched_logits_processor"), self.beam_rows
         )
@@ -275,6 +290,7 @@ class BaseLLM:
             raise TypeError(f"The inputs must be type str or list of int, but got {type(inputs)}")
         if not self.single_process:  # the real proxy pickles the request to its worker process
             sampling_params = pickle.loads(pickle.dumps(sampling_params))
+        self.submitted.append(sampling_params)
         request_id = next(self._ids)
         output = RequestOutput(request_id, list(inputs), self._executor)
         generator = None
