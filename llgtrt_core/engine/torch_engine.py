@@ -162,7 +162,7 @@ class TorchEngine(Engine):
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []  # index i occupies cache slot i
         self._prefilling: Optional[_Sequence] = None  # a prompt part-prefilled, in slot len(_running)
-        self._overlap = config.resolve_overlap_steps(self.device)
+        self.overlap_steps = config.resolve_overlap_steps(self.device)  # read every step: benchmarks switch it
         # Logits of the decode queued ahead for the running rows (row i: slot i), fed their sampled
         # tokens on the device; None when the next step must decode itself.
         self._ahead: Optional[torch.Tensor] = None
@@ -376,7 +376,7 @@ class TorchEngine(Engine):
         for row in rows:
             self._running[row.row].uncommitted_token = None
         pending = self.sampler.sample_async(logits, raw_logprobs, masks)
-        fed = self._overlap and self._prefilling is None
+        fed = self.overlap_steps and self._prefilling is None
         if fed:  # the GPU decodes the sampled tokens while the host reads and hands them out
             self._ahead = self._decode_tokens(self._running, pending.tokens, graphs=True)
         sampled = pending.result()
