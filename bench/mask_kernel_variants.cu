@@ -32,130 +32,22 @@
     }                                                                                                  \
   } while (0)
 
-// Same fields as llgtrt_core/kernels/csrc/token_bitmask.h.
-struct BitmaskArgs {
-  void* logits;
-  int64_t batch;
-  int64_t row_stride;
-  int64_t col_stride;
-  int vocab;
-  const int32_t* bitmask;
-  int64_t mask_rows;
-  int64_t mask_row_stride;
-  int mask_words;
-  const int64_t* rows;
-};
+// The production kernel, compiled into this program as it is (torch-free by design).
+#include "../llgtrt_core/kernels/csrc/token_bitmask.cu"
+
+using llgtrt::BitmaskArgs;
 
 static int g_sms = 0;
 
-// ------------------------------------------------------------------------------------------------
-// The production kernel, copied from token_bitmask.cu (2026-11-21) with its launcher.
 namespace current {
-
-constexpr int kThreads = 256;
-
-template <typename Bits, bool kVectorized>
-struct Chunk {
-  static constexpr int kVec = kVectorized ? 16 / static_cast<int>(sizeof(Bits)) : 1;
-  static constexpr uint32_t kAll = (1u << kVec) - 1;
-  static constexpr int kSector = 2 * kVec;
-  static constexpr uint32_t kSectorAll = (1u << kSector) - 1;
-};
-
-__device__ __forceinline__ uint32_t allowed_bits(uint32_t word, int first, int n, uint32_t all, int vocab) {
-  uint32_t bits = (word >> (first & 31)) & all;
-  if (first + n > vocab) bits |= all & (~0u << max(vocab - first, 0));
-  return bits;
-}
-
-template <typename Bits>
-__device__ __forceinline__ uint32_t disallowed_lanes(uint32_t bits, int w) {
-  if constexpr (sizeof(Bits) == 4) {
-    return ((bits >> w) & 1u) ? 0u : ~0u;
-  } else {
-    return (((bits >> (2 * w)) & 1u) ? 0u : 0x0000FFFFu) | (((bits >> (2 * w + 1)) & 1u) ? 0u : 0xFFFF0000u);
-  }
-}
-
-__device__ __forceinline__ uint32_t select_bits(uint32_t keep, uint32_t replace, uint32_t replace_mask) {
-  return (keep & ~replace_mask) | (replace & replace_mask);
-}
-
-template <typename Bits, bool kVectorized, int kItems, bool kWholeSectors>
-__global__ void __launch_bounds__(kThreads, 8) apply_token_bitmask_kernel(BitmaskArgs args, Bits fill) {
-  using C = Chunk<Bits, kVectorized>;
-  const int vocab = args.vocab;
-  const int n_chunks = (vocab + C::kVec - 1) / C::kVec;
-  const int tile_start = blockIdx.x * kThreads * kItems + threadIdx.x;
-  const uint32_t fill_word = sizeof(Bits) == 4 ? fill : (uint32_t(fill) << 16 | fill);
-
-  for (int64_t j = blockIdx.y; j < args.mask_rows; j += gridDim.y) {
-    const int64_t r = args.rows ? args.rows[j] : j;
-    if (r < 0 || r >= args.batch) continue;
-    Bits* row = static_cast<Bits*>(args.logits) + r * args.row_stride;
-    const int32_t* mask_row = args.bitmask + j * args.mask_row_stride;
-
-    uint32_t chunk_bits[kItems];
-    bool sector_untouched[kItems];
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int c = tile_start + i * kThreads;
-      const int t0 = c * C::kVec;
-      const int w = t0 >> 5;
-      const uint32_t word = (c < n_chunks && w < args.mask_words) ? __ldg(mask_row + w) : 0u;
-      chunk_bits[i] = c < n_chunks ? allowed_bits(word, t0, C::kVec, C::kAll, vocab) : C::kAll;
-      const int s0 = t0 & ~(C::kSector - 1);
-      sector_untouched[i] = !kWholeSectors || c >= n_chunks ||
-                            allowed_bits(word, s0, C::kSector, C::kSectorAll, vocab) == C::kSectorAll;
-    }
-
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const uint32_t bits = chunk_bits[i];
-      const int t0 = (tile_start + i * kThreads) * C::kVec;
-      if constexpr (kVectorized) {
-        if (bits == 0) {
-          *reinterpret_cast<uint4*>(row + t0) = make_uint4(fill_word, fill_word, fill_word, fill_word);
-          continue;
-        }
-        if (kWholeSectors && !sector_untouched[i] && t0 + C::kVec <= vocab) {
-          uint4 v = *reinterpret_cast<const uint4*>(row + t0);
-          v.x = select_bits(v.x, fill_word, disallowed_lanes<Bits>(bits, 0));
-          v.y = select_bits(v.y, fill_word, disallowed_lanes<Bits>(bits, 1));
-          v.z = select_bits(v.z, fill_word, disallowed_lanes<Bits>(bits, 2));
-          v.w = select_bits(v.w, fill_word, disallowed_lanes<Bits>(bits, 3));
-          *reinterpret_cast<uint4*>(row + t0) = v;
-          continue;
-        }
-      }
-      if (bits == C::kAll) continue;
-#pragma unroll
-      for (int k = 0; k < C::kVec; ++k) {
-        if (!((bits >> k) & 1u)) row[kVectorized ? t0 + k : static_cast<int64_t>(t0 + k) * args.col_stride] = fill;
-      }
-    }
-  }
-}
 
 template <typename Bits>
 void launch(const BitmaskArgs& args, Bits fill, bool whole_sectors, int sms, cudaStream_t stream) {
-  const int64_t elem = static_cast<int64_t>(sizeof(Bits));
-  const bool vectorized = args.col_stride == 1 && reinterpret_cast<uintptr_t>(args.logits) % 16 == 0 &&
-                          (args.row_stride * elem) % 16 == 0;
-  const int vec = vectorized ? 16 / static_cast<int>(elem) : 1;
-  const int64_t n_chunks = (args.vocab + vec - 1) / vec;
-  const bool small = args.mask_rows * n_chunks < int64_t(4) * kThreads * 8 * sms;
-  const int items = small ? 1 : 4;
-  const dim3 grid(static_cast<unsigned>((n_chunks + kThreads * items - 1) / (kThreads * items)),
-                  static_cast<unsigned>(std::min<int64_t>(args.mask_rows, 65535)));
-#define LLGTRT_LAUNCH(VEC, WHOLE)                                                                          \
-  if (small) apply_token_bitmask_kernel<Bits, VEC, 1, WHOLE><<<grid, kThreads, 0, stream>>>(args, fill); \
-  else apply_token_bitmask_kernel<Bits, VEC, 4, WHOLE><<<grid, kThreads, 0, stream>>>(args, fill)
-  if (!vectorized) { LLGTRT_LAUNCH(false, false); }
-  else if (whole_sectors) { LLGTRT_LAUNCH(true, true); }
-  else { LLGTRT_LAUNCH(true, false); }
-#undef LLGTRT_LAUNCH
+  CHECK(llgtrt::apply_token_bitmask(args, sizeof(Bits), fill, whole_sectors, sms, stream));
 }
+
+using llgtrt::disallowed_lanes;
+using llgtrt::select_bits;
 
 }  // namespace current
 
@@ -410,7 +302,9 @@ std::string describe_one_wave() {
 
 template <typename Bits>
 std::string describe_current() {
-  return describe(current::apply_token_bitmask_kernel<Bits, true, 4, true>) + " (4 items)";
+  constexpr int items = sizeof(Bits) == 4 ? 4 : 2;  // production's choice at batch >= 64
+  return describe(llgtrt::apply_token_bitmask_kernel<Bits, true, items, true>) + " (" + std::to_string(items) +
+         " items)";
 }
 
 }  // namespace variants
@@ -441,7 +335,7 @@ struct Variant {
 
 static std::vector<Variant> all_variants() {
   return {
-      {"current (production copy)", &variants::launch_current<uint32_t>, &variants::launch_current<uint16_t>,
+      {"current (production kernel)", &variants::launch_current<uint32_t>, &variants::launch_current<uint16_t>,
        &variants::describe_current<uint32_t>, &variants::describe_current<uint16_t>},
       // production's large-job geometry at every size (bf16 batch 64 is a "small" job there: 1 item)
       TILE("tile 256x4", 256, 4, 1, 8, 32, kInline, kGridPerRow),
