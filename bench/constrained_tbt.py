@@ -36,6 +36,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from measure import percentile  # noqa: E402
 from http_load import (  # noqa: E402
     ClientProcesses,
     Histogram,
@@ -45,7 +46,6 @@ from http_load import (  # noqa: E402
     machine,
     ms,
     new_client,
-    percentile,
     read_histogram,
     run_main,
     served_model,

@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine_decode import copy_bandwidth, replay_ms  # noqa: E402  (bench/ is the script's folder)
+from engine_decode import replay_ms  # noqa: E402  (bench/ is the script's folder)
+from measure import copy_bandwidth  # noqa: E402
 from llama3 import LLAMA3_8B  # noqa: E402
 from llgtrt_core.engine.decode_graphs import DecodeGraphs  # noqa: E402
 from llgtrt_core.engine.kv_cache import KVCache  # noqa: E402

@@ -37,29 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 from engine_rate import decode_tokens_per_s  # noqa: E402  (bench/ is the script's folder)
+from measure import copy_bandwidth  # noqa: E402
 from llama3 import LLAMA3_8B, tokenizer_json  # noqa: E402
 from llgtrt_core.models.llama import ModelConfig  # noqa: E402
 from llgtrt_core.models.loader import random_model  # noqa: E402
 
 TEXT = ("The history of the lighthouse begins with fires lit on hilltops to guide ships home. Over the "
         "centuries, keepers tended oil lamps, then lenses, then electric lights that swept the sea. ")
-
-
-def copy_bandwidth(gib: int = 4, repeats: int = 20) -> float:
-    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written (median of repeats)."""
-    src = torch.empty(gib << 30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * (gib << 30) / sorted(times[3:])[repeats // 2]
 
 
 def llama3_tokenizer(path: str | None):

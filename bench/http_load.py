@@ -49,6 +49,7 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from measure import percentile  # noqa: E402  (bench/ is the script's folder)
 from tests.bento_server import bentoml_serve  # noqa: E402
 
 QUESTIONS = (
@@ -113,14 +114,6 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any])
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile, q in [0, 100]; NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
 def summarize(results: list[StreamResult], seconds: float) -> dict[str, Any]:

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llgtrt_core.kernels import apply_token_bitmask_inplace  # noqa: E402
 from llgtrt_core.kernels.cuda_ext import load_extension  # noqa: E402
 from llgtrt_core.kernels.sampling import sample_with_bitmask  # noqa: E402
+from measure import copy_bandwidth  # noqa: E402  (bench/ is the script's folder)
 
 BATCHES = [1, 8, 64, 256, 1024]
 VOCABS = {"32k": 32000, "128k": 128256, "152k": 151936}
@@ -55,15 +56,6 @@ class Timer:
             end.record()
         torch.cuda.synchronize()
         return float(np.median([s.elapsed_time(e) for s, e in zip(starts, ends)])) / 1e3
-
-
-def copy_bandwidth(timer: Timer, gib: float = 2.0) -> float:
-    """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written."""
-    n = int(gib * 2**30) // 4
-    src = torch.randn(n, device="cuda")
-    dst = torch.empty_like(src)
-    seconds = timer.median_seconds(lambda: dst.copy_(src))
-    return 2 * n * 4 / seconds
 
 
 def write_bandwidth(timer: Timer, gib: float = 2.0) -> float:
@@ -115,7 +107,7 @@ def implementations() -> dict[str, Optional[Apply]]:
 
 def run(args: argparse.Namespace) -> list[dict]:
     timer = Timer(args.reps)
-    bandwidth = copy_bandwidth(timer)
+    bandwidth = copy_bandwidth()
     fill_bandwidth = write_bandwidth(timer)
     device = torch.cuda.get_device_name(0)
     print(f"device: {device}; measured copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write), "

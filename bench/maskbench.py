@@ -53,6 +53,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from llgtrt_core.constraints import GrammarCompiler, GrammarRequestError, build_ll_tokenizer  # noqa: E402
+from measure import percentile  # noqa: E402  (bench/ is the script's folder)
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor  # noqa: E402
 from llgtrt_core.constraints.request_grammar import dumps_compact, json_schema_grammar  # noqa: E402
 from llgtrt_core.engine.interface import ConstrainedRow  # noqa: E402
@@ -82,13 +83,6 @@ def load_hf_tokenizer(name: str) -> Any:
 
 def bit_set(mask_row: torch.Tensor, token: int) -> bool:
     return bool((int(mask_row[token // 32]) >> (token % 32)) & 1)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
 def distribution(xs: list[float]) -> dict[str, float]:
