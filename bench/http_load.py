@@ -33,7 +33,6 @@ import json
 import multiprocessing
 import os
 import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from typing import Any, Awaitable, Callable, Iterator, Optional
 from urllib.parse import urlparse
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
@@ -138,9 +138,6 @@ def summarize(results: list[StreamResult], seconds: float) -> dict[str, Any]:
 
 # --- the server's /metrics -------------------------------------------------------------------
 
-_SAMPLE = re.compile(r'^(?P<name>[^\s{]+)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
-
-
 @dataclass
 class Histogram:
     buckets: dict[float, float]  # upper bound -> cumulative count
@@ -172,19 +169,17 @@ def read_histogram(metrics_text: str, name: str) -> Histogram:
     """Sum of a histogram's series over all label sets (BentoML's workers are merged already)."""
     buckets: dict[float, float] = {}
     total = count = 0.0
-    for line in metrics_text.splitlines():
-        match = _SAMPLE.match(line)
-        if not match or not match["name"].startswith(name):
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != name:
             continue
-        value = float(match["value"])
-        suffix = match["name"][len(name):]
-        if suffix == "_bucket":
-            le = float(re.search(r'le="([^"]+)"', match["labels"] or "")[1])
-            buckets[le] = buckets.get(le, 0.0) + value
-        elif suffix == "_sum":
-            total += value
-        elif suffix == "_count":
-            count += value
+        for sample in family.samples:
+            if sample.name == name + "_bucket":
+                le = float(sample.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + sample.value
+            elif sample.name == name + "_sum":
+                total += sample.value
+            elif sample.name == name + "_count":
+                count += sample.value
     return Histogram(buckets, total, count)
 
 
