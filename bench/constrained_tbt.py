@@ -48,6 +48,7 @@ from http_load import (  # noqa: E402
     new_client,
     read_histogram,
     run_main,
+    scrape_metrics,
     served_model,
     server_url,
     stream_chat,
@@ -102,7 +103,7 @@ async def compiling_schemas(client: httpx.AsyncClient, url: str, model: str, cou
 
 
 async def mask_fill(client: httpx.AsyncClient, url: str) -> Histogram:
-    return read_histogram((await client.get(f"{url}/metrics")).text, MASK_FILL)
+    return read_histogram(await scrape_metrics(client, url), MASK_FILL)
 
 
 def time_per_output_token(result: StreamResult) -> float:

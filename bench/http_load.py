@@ -64,6 +64,7 @@ QUESTIONS = (
 )
 ENGINE_TTFT = "llgtrt:time_to_first_token_seconds"
 ENGINE_ITL = "llgtrt:inter_token_latency_seconds"
+METRICS_FOLD_WAIT_S = 0.6  # llgtrt_core.metrics.DeferredHistogram folds values in every 0.5 s
 STREAMS_PER_PROCESS = 32
 
 
@@ -183,8 +184,14 @@ def read_histogram(metrics_text: str, name: str) -> Histogram:
     return Histogram(buckets, total, count)
 
 
+async def scrape_metrics(client: httpx.AsyncClient, url: str) -> str:
+    """/metrics once the server's deferred histograms (folded every 0.5 s) hold what was observed."""
+    await asyncio.sleep(METRICS_FOLD_WAIT_S)
+    return (await client.get(f"{url}/metrics")).text
+
+
 async def engine_histograms(client: httpx.AsyncClient, url: str) -> dict[str, Histogram]:
-    text = (await client.get(f"{url}/metrics")).text
+    text = await scrape_metrics(client, url)
     return {name: read_histogram(text, name) for name in (ENGINE_TTFT, ENGINE_ITL)}
 
 

@@ -78,6 +78,18 @@ class TokenizerConfig:
                                                    "null: the model's vocab_size.")
     eos_token_ids: Optional[list[int]] = option(None, "Tokens that end generation, replacing the tokenizer's "
                                                       "EOS tokens; null: from the model's tokenizer files.")
+    tool_format: Optional[str] = option(None, "Tool-call format the model writes: hermes, llama3_json, mistral "
+                                              "or generic_json; null: detected from the chat template. Env "
+                                              "LLGTRT_TOOL_FORMAT.")
+
+    def __post_init__(self) -> None:
+        if self.tool_format is None:
+            return
+        from llgtrt_core.tools import TOOL_FORMATS  # imports torch (via the constraints): only when set
+
+        if self.tool_format not in TOOL_FORMATS:
+            raise ConfigError(f"config key 'tokenizer.tool_format': expected one of {', '.join(TOOL_FORMATS)}, "
+                              f"got {self.tool_format!r}")
 
 
 @dataclass(frozen=True)
@@ -151,6 +163,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "LLGTRT_DEVICE": ("runtime", "device"),
     "LLGTRT_CPU_THREADS": ("runtime", "cpu_threads"),
     "LLGTRT_PREFILL_CHUNK_TOKENS": ("runtime", "prefill_chunk_tokens"),
+    "LLGTRT_TOOL_FORMAT": ("tokenizer", "tool_format"),
     "LLGTRT_API_KEY": ("server", "api_key"),
 }
 

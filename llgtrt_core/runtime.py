@@ -1,4 +1,4 @@
-"""What the HTTP layer needs of a loaded model: its name, tokenizer, engine and grammars."""
+"""What the HTTP layer needs of a loaded model: its name, tokenizer, tool-call format, engine and grammars."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from llgtrt_core.constraints.grammar import GrammarCompiler
     from llgtrt_core.engine.interface import Engine
     from llgtrt_core.tokenizer import Tokenizer
+    from llgtrt_core.tools import ToolFormat
 
 
 @dataclass
@@ -16,4 +17,5 @@ class ModelRuntime:
     model_name: str  # the id /v1/models reports and requests must name
     tokenizer: "Tokenizer"
     engine: "Engine"
+    tool_format: "ToolFormat"  # resolved once per model: config, else the chat template
     grammars: Optional["GrammarCompiler"] = None  # None: constraints unavailable

@@ -51,12 +51,13 @@ def main() -> None:
     directory = model_dir(args.model)
     tokenizer = Tokenizer(directory)
     template = tokenizer.chat_template
-    override = load_config().tokenizer.chat_template
+    config = load_config().tokenizer
+    override = config.chat_template
     if override is not None:
         template = ChatTemplate(Path(override).read_text(encoding="utf-8"), tokenizer.special_tokens)
     if template is None:
         sys.exit(f"{directory} has no chat template")
-    tool_format = detect_tool_format(template.source)
+    tool_format = detect_tool_format(template.source, config.tool_format)
     print(template.source)
     print(f"# tool call format: {tool_format.name}")
     if args.render:

@@ -140,6 +140,13 @@ def test_docs_list_the_current_options_and_defaults() -> None:
     assert f"```json5\n{render(Config())}```" in docs, "regenerate with python -m llgtrt_core.config --print-config"
 
 
+def test_tool_format_comes_from_a_file_or_the_env_and_must_be_known(tmp_path: Path) -> None:
+    assert load_config(env={}).tokenizer.tool_format is None  # detected from the chat template
+    assert load_config(env={"LLGTRT_TOOL_FORMAT": "mistral"}).tokenizer.tool_format == "mistral"
+    with pytest.raises(ConfigError, match=r"tokenizer\.tool_format.*'chatml'"):
+        load_config([write(tmp_path / "c.json5", "{tokenizer: {tool_format: 'chatml'}}")], env={})
+
+
 def test_a_bad_integer_variable_is_an_error() -> None:
     with pytest.raises(ConfigError, match="LLGTRT_MAX_BATCH_SIZE"):
         load_config(env={"LLGTRT_MAX_BATCH_SIZE": "eight"})

@@ -132,15 +132,17 @@ def _samples(server: BentoServer) -> dict[str, float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def _samples_once_grown(server: BentoServer, before: dict[str, float], name: str,
+def _samples_once_grown(server: BentoServer, before: dict[str, float], growth: dict[str, float],
                         timeout: float = 5.0) -> dict[str, float]:
-    """The samples once `name` has grown past `before`, or at `timeout`: the engine thread records
-    its state after the step, and mask-fill times are folded in every half second."""
+    """The samples once each name in `growth` has grown by at least that much past `before`, or at
+    `timeout`: the engine thread records its state after the step, and deferred histograms (mask
+    fill, TTFT, inter-token latency) are folded in every half second, each on its own thread."""
     deadline = time.monotonic() + timeout
     while True:
         time.sleep(0.5)
         after = _samples(server)
-        if after.get(name, 0.0) > before.get(name, 0.0) or time.monotonic() > deadline:
+        grown = all(after.get(name, 0.0) - before.get(name, 0.0) >= least for name, least in growth.items())
+        if grown or time.monotonic() > deadline:
             return after
 
 
@@ -152,7 +154,9 @@ def test_metrics_count_requests_tokens_and_latencies(prod: BentoServer) -> None:
     for body in (completion(max_tokens=5), constrained):
         response = httpx.post(f"{prod.url}/v1/completions", json=body, headers=AUTH, timeout=60)
         assert response.status_code == 200
-    after = _samples_once_grown(prod, before, "llgtrt:grammar_mask_fill_seconds_count")
+    after = _samples_once_grown(prod, before, {"llgtrt:grammar_mask_fill_seconds_count": 1,
+                                               "llgtrt:time_to_first_token_seconds_count": 2,
+                                               "llgtrt:inter_token_latency_seconds_count": 4})
 
     def grew(name: str) -> float:
         return after[name] - before.get(name, 0.0)

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from llgtrt_core.api.protocol import (
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+)
+from llgtrt_core.api.streaming import TEXT_PLACEHOLDER, TextEvents, sse_event
 from llgtrt_core.tokenizer import Tokenizer
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -137,3 +145,26 @@ def test_top_k_top_p_accepted(openai_client, served_model) -> None:
         model=served_model, messages=QUESTION, temperature=0.7, top_p=0.9, max_tokens=8, seed=7,
         extra_body={"top_k": 20})
     assert response.choices[0].message.content
+
+
+AWKWARD_TEXTS = ["", "plain", 'say "hi"', "back\\slash", "line\nbreak\ttab\r", "".join(map(chr, range(32))),
+                 "\x7f", "héllo ✓ 🙂 日本語", "\u2028\u2029", "</script>", TEXT_PLACEHOLDER]
+# A model name equal to the placeholder: the template must fill the text field, not the name.
+MODEL = TEXT_PLACEHOLDER
+
+
+def _chat_chunk(text: str) -> ChatCompletionStreamResponse:
+    return ChatCompletionStreamResponse(id="chatcmpl-1", created=7, model=MODEL, choices=[
+        ChatCompletionResponseStreamChoice(index=3, delta=DeltaMessage(content=text))])
+
+
+def _completion_chunk(text: str) -> CompletionStreamResponse:
+    return CompletionStreamResponse(id="cmpl-1", created=7, model=MODEL,
+                                    choices=[CompletionResponseChoice(index=3, text=text)])
+
+
+@pytest.mark.parametrize("make_chunk", [_chat_chunk, _completion_chunk])
+def test_text_events_are_the_chunk_models_own_bytes(make_chunk) -> None:
+    events = TextEvents(make_chunk(TEXT_PLACEHOLDER))
+    for text in AWKWARD_TEXTS:
+        assert events(text) == sse_event(make_chunk(text))

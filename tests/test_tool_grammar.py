@@ -1,15 +1,19 @@
 """Tool grammars for every family and tool_choice, checked with llguidance on the default
-model's tokenizer: what they accept, and what they refuse once a call has started."""
+model's tokenizer: what they accept, and what they refuse once a call has started; their
+compiles go through the compiler's cache and a failure names the tool at fault."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import llguidance.hf
 import pytest
 from llguidance import LLMatcher
+from prometheus_client import REGISTRY
 
-from llgtrt_core.constraints import request_grammar
+from llgtrt_core.api.tool_calls import compile_tool_grammar
+from llgtrt_core.constraints import GrammarCompiler, GrammarRequestError, request_grammar
 from llgtrt_core.tools import GENERIC_JSON, HERMES, LLAMA3_JSON, MISTRAL, ToolFormat, plan_tools, tool_grammar
 from llgtrt_core.tools.grammar import literal
 
@@ -91,3 +95,26 @@ def test_added_tokens_become_token_references() -> None:
     grammar = json.loads(tool_grammar(plan_tools({"tools": [WEATHER], "tool_choice": "required"}, HERMES),
                                       {"<tool_call>": 7, "</tool_call>": 8}))
     assert "start: <[7]> tool_runs" in grammar["grammars"][0]["lark_grammar"]
+
+
+def _compiles() -> float:
+    """Grammars compiled so far (cache misses), as the metrics count them."""
+    return REGISTRY.get_sample_value("llgtrt:grammar_compile_seconds_count") or 0.0
+
+
+def test_a_repeated_tool_list_compiles_once(tokenizers) -> None:
+    compiler = GrammarCompiler(tokenizers[1])
+    before = _compiles()
+    for _ in range(3):  # each request plans its tools and writes its grammar anew
+        plan = plan_tools({"tools": [WEATHER, NOW]}, HERMES)
+        asyncio.run(compile_tool_grammar(compiler, plan, tool_grammar(plan, {})))
+    assert _compiles() - before == 1
+
+
+def test_a_failing_tool_grammar_names_the_tool_at_fault(tokenizers) -> None:
+    bad = {"type": "function", "function": {"name": "bad", "parameters": {
+        "type": "object", "properties": {"x": {"type": "no-such-type"}}}}}
+    plan = plan_tools({"tools": [WEATHER, bad]}, HERMES)
+    with pytest.raises(GrammarRequestError) as caught:
+        asyncio.run(compile_tool_grammar(GrammarCompiler(tokenizers[1]), plan, tool_grammar(plan, {})))
+    assert caught.value.param == "tools[1].function.parameters" and "no-such-type" in caught.value.message

@@ -124,6 +124,7 @@ def test_detect_tool_format_from_template() -> None:
     assert detect_tool_format("<|start_header_id|>{% if tools %}{% endif %}") is LLAMA3_JSON
     assert detect_tool_format("<|im_start|>{{ message['content'] }}") is GENERIC_JSON
     assert detect_tool_format(None) is GENERIC_JSON
+    assert detect_tool_format("{{ '[TOOL_CALLS]' }}", configured="hermes") is HERMES  # the config wins
 
 
 @pytest.mark.parametrize("step", range(1, 11))

@@ -23,15 +23,22 @@ from llgtrt_core.api.protocol import (
     random_id,
 )
 from llgtrt_core.api.sampling import check_request, start_choices
-from llgtrt_core.api.streaming import ClientDisconnected, EventStreamResponse, cancel_on_disconnect, sse_event
+from llgtrt_core.api.streaming import (
+    TEXT_PLACEHOLDER,
+    ClientDisconnected,
+    EventStreamResponse,
+    TextEvents,
+    cancel_on_disconnect,
+    sse_event,
+)
 from llgtrt_core.api.tool_calls import ChoiceToolOutput, keeps_special_tokens, request_tool_plan, tool_constraint
 from llgtrt_core.runtime import ModelRuntime
 
 
 async def create_chat_completion(request: ChatCompletionRequest, runtime: ModelRuntime, raw_request: Request) -> Response:
     check_request(request, runtime)
-    plan = request_tool_plan(request, runtime.tokenizer)
-    prompt_ids = chat_prompt_ids(request, runtime.tokenizer, plan)
+    plan = request_tool_plan(request, runtime)
+    prompt_ids = chat_prompt_ids(request, runtime, plan)
     grammar = await tool_constraint(plan, request, runtime)
     if keeps_special_tokens(plan, runtime.tokenizer):
         request = request.model_copy(update={"skip_special_tokens": False})
@@ -53,7 +60,7 @@ async def create_chat_completion(request: ChatCompletionRequest, runtime: ModelR
         choices=[
             ChatCompletionResponseChoice(index=i, message=_message(outputs[i], r.text),
                                          finish_reason=_finish_reason(outputs[i], r.finish_reason),
-                                         logprobs=chat_logprobs(runtime.tokenizer, r.token_ids, r.logprobs))
+                                         logprobs=chat_logprobs(runtime, r.token_ids, r.logprobs))
             for i, r in enumerate(results)
         ],
         usage=UsageInfo.of(len(prompt_ids), completion_tokens),
@@ -83,24 +90,32 @@ async def _stream(updates: AsyncIterator[ChoiceUpdate], response_id: str, runtim
     num_choices = len(tools)
     model = runtime.model_name
 
-    def chunk(choices: list[ChatCompletionResponseStreamChoice], usage: Optional[UsageInfo] = None) -> str:
-        return sse_event(ChatCompletionStreamResponse(id=response_id, created=created, model=model,
-                                                      choices=choices, usage=usage))
+    def chunk(choices: list[ChatCompletionResponseStreamChoice], usage: Optional[UsageInfo] = None
+              ) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(id=response_id, created=created, model=model, choices=choices, usage=usage)
 
+    # Most chunks are plain text (no tool calls, logprobs or finish reason): each choice's from a template.
+    text_events = [TextEvents(chunk([ChatCompletionResponseStreamChoice(
+        index=index, delta=DeltaMessage(content=TEXT_PLACEHOLDER))])) for index in range(num_choices)]
     completion_tokens = [0] * num_choices
     try:
         for index in range(num_choices):
-            yield chunk([ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+            yield sse_event(chunk([ChatCompletionResponseStreamChoice(
+                index=index, delta=DeltaMessage(role="assistant", content=""))]))
         async for update in updates:
             completion_tokens[update.index] = update.num_generated_tokens
+            if (tools[update.index] is None and update.text and update.logprobs is None
+                    and update.finish_reason is None):
+                yield text_events[update.index](update.text)
+                continue
             delta = _delta(tools[update.index], update)
-            logprobs = chat_logprobs(runtime.tokenizer, update.token_ids, update.logprobs)
+            logprobs = chat_logprobs(runtime, update.token_ids, update.logprobs)
             finish_reason = _finish_reason(tools[update.index], update.finish_reason)
             if delta.is_empty() and logprobs is None and finish_reason is None:
                 continue  # tool-call markup only: nothing to tell the client yet
-            yield chunk([ChatCompletionResponseStreamChoice(index=update.index, delta=delta, logprobs=logprobs,
-                                                            finish_reason=finish_reason)])
+            yield sse_event(chunk([ChatCompletionResponseStreamChoice(
+                index=update.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)]))
         if include_usage:
-            yield chunk([], UsageInfo.of(prompt_tokens, sum(completion_tokens)))
+            yield sse_event(chunk([], UsageInfo.of(prompt_tokens, sum(completion_tokens))))
     finally:
         await close_quietly(updates)

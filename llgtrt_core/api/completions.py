@@ -22,7 +22,14 @@ from llgtrt_core.api.protocol import (
     random_id,
 )
 from llgtrt_core.api.sampling import check_request, start_choices
-from llgtrt_core.api.streaming import ClientDisconnected, EventStreamResponse, cancel_on_disconnect, sse_event
+from llgtrt_core.api.streaming import (
+    TEXT_PLACEHOLDER,
+    ClientDisconnected,
+    EventStreamResponse,
+    TextEvents,
+    cancel_on_disconnect,
+    sse_event,
+)
 from llgtrt_core.engine.interface import GenerationRequest, TokenLogprob
 from llgtrt_core.runtime import ModelRuntime
 
@@ -58,7 +65,7 @@ class _ChoiceText:
         self._echo_ids = prompt_ids if request.echo else None
         self._tokenizer = runtime.tokenizer
         asked = request.logprobs is not None
-        self._logprobs = CompletionLogprobsBuilder(token_texts(runtime.tokenizer)) if asked else None
+        self._logprobs = CompletionLogprobsBuilder(token_texts(runtime)) if asked else None
 
     def piece(self, text: str, token_ids: list[int], logprobs: Optional[list[TokenLogprob]],
               prompt_logprobs: Optional[list[Optional[TokenLogprob]]]) -> tuple[str, Optional[CompletionLogprobs]]:
@@ -116,20 +123,26 @@ async def _stream(updates: AsyncIterator[ChoiceUpdate], response_id: str, reques
     """Streamed choices (best_of == n here): prompt p serves choices p*n .. p*n+n-1."""
     created = now()
 
-    def chunk(choices: list[CompletionResponseChoice], usage: Optional[UsageInfo] = None) -> str:
-        return sse_event(CompletionStreamResponse(id=response_id, created=created, model=runtime.model_name,
-                                                  choices=choices, usage=usage))
+    def chunk(choices: list[CompletionResponseChoice], usage: Optional[UsageInfo] = None) -> CompletionStreamResponse:
+        return CompletionStreamResponse(id=response_id, created=created, model=runtime.model_name, choices=choices,
+                                        usage=usage)
 
     choice_texts = [_ChoiceText(request, runtime, prompt) for prompt in prompts for _ in range(request.n)]
+    # Most chunks are plain text (no logprobs or finish reason): each choice's from a template.
+    text_events = [TextEvents(chunk([CompletionResponseChoice(index=index, text=TEXT_PLACEHOLDER)]))
+                   for index in range(len(choice_texts))]
     completion_tokens = [0] * len(choice_texts)
     try:
         async for update in updates:
             completion_tokens[update.index] = update.num_generated_tokens
             text, logprobs = choice_texts[update.index].piece(update.text, list(update.token_ids), update.logprobs,
                                                               update.prompt_logprobs)
-            yield chunk([CompletionResponseChoice(index=update.index, text=text, logprobs=logprobs,
-                                                  finish_reason=update.finish_reason)])
+            if logprobs is None and update.finish_reason is None:
+                yield text_events[update.index](text)
+            else:
+                yield sse_event(chunk([CompletionResponseChoice(index=update.index, text=text, logprobs=logprobs,
+                                                                finish_reason=update.finish_reason)]))
         if include_usage:
-            yield chunk([], UsageInfo.of(prompt_tokens, sum(completion_tokens)))
+            yield sse_event(chunk([], UsageInfo.of(prompt_tokens, sum(completion_tokens))))
     finally:
         await close_quietly(updates)

@@ -1,72 +1,69 @@
 """Engine logprobs to the OpenAI shapes: chat `logprobs.content[]` and legacy completions'
 parallel lists (tokens, token_logprobs, top_logprobs, text_offset).
 
-A token's text is its own decoding; its `bytes` are its exact UTF-8 bytes, which matter for a
-byte-level token holding part of a character (its text is then U+FFFD). Logprobs of tokens the
-reported distribution excludes (-inf: masked by a constraint, cut by top-k) are sent as -9999.0,
-as vLLM does, since JSON has no infinity.
+A token's `bytes` are its exact bytes, as llguidance's tokenizer holds them (a byte-level or
+byte-fallback token may hold part of a UTF-8 character); its text is those bytes decoded, U+FFFD
+standing for a partial character. A SentencePiece token keeps its leading space, so token texts
+concatenate to the generated text. Logprobs of tokens the reported distribution excludes (-inf:
+masked by a constraint, cut by top-k) are sent as -9999.0, as vLLM does, since JSON has no infinity.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 from typing import Optional, Sequence
+
+from llguidance import LLTokenizer
 
 from llgtrt_core.api.protocol import ChatCompletionTokenLogprob, ChoiceLogprobs, CompletionLogprobs, TopLogprob
 from llgtrt_core.engine.interface import TokenLogprob
+from llgtrt_core.runtime import ModelRuntime
 from llgtrt_core.tokenizer import Tokenizer
 
 _LOWEST_LOGPROB = -9999.0
-_BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's raw-byte tokens
-_REPLACEMENT_CHAR = "\ufffd"
-
-
-@functools.lru_cache(maxsize=1)
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2 byte-level BPE's printable stand-in for each byte, inverted (char -> byte)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    chars = [chr(b) for b in printable] + [chr(256 + i) for i in range(len(others))]
-    return dict(zip(chars, printable + others))
+_SPECIAL_TOKEN_MARKER = b"\xff"  # llguidance's first byte of a special token; decode_bytes drops it
 
 
 def reported(logprob: float) -> float:
     return max(logprob, _LOWEST_LOGPROB)
 
 
+def token_texts(runtime: ModelRuntime) -> TokenTexts:
+    """The model's token texts, shared by every request, from the llguidance tokenizer its grammar
+    compiler holds (built once per model)."""
+    assert runtime.grammars is not None, "a served model always has its grammar compiler"
+    return _token_texts(runtime.grammars.tokenizer, runtime.tokenizer)
+
+
 @functools.lru_cache(maxsize=4)
-def token_texts(tokenizer: Tokenizer) -> TokenTexts:
-    """The cache of one tokenizer, shared by every request."""
-    return TokenTexts(tokenizer)
+def _token_texts(ll_tokenizer: LLTokenizer, tokenizer: Tokenizer) -> TokenTexts:
+    return TokenTexts(ll_tokenizer, frozenset(tokenizer.hf.added_tokens_decoder), tokenizer.vocab_size)
 
 
 class TokenTexts:
-    """Token id -> (text, UTF-8 bytes), cached: top_logprobs name the same tokens over and over."""
+    """Token id -> (text, bytes), cached: top_logprobs name the same tokens over and over."""
 
-    def __init__(self, tokenizer: Tokenizer):
-        self._tokenizer = tokenizer
+    def __init__(self, ll_tokenizer: LLTokenizer, added_token_ids: frozenset[int], vocab_size: int):
+        self._ll_tokenizer = ll_tokenizer
+        self._added_token_ids = added_token_ids
+        self._vocab_size = vocab_size  # added tokens included; the logits may be wider (padding)
         self.get = functools.lru_cache(maxsize=65536)(self._text_and_bytes)
 
     def _text_and_bytes(self, token_id: int) -> tuple[str, bytes]:
-        text = self._tokenizer.decode([token_id], skip_special_tokens=False)
-        if _REPLACEMENT_CHAR not in text:
-            return text, text.encode("utf-8")
-        piece = self._tokenizer.hf.convert_ids_to_tokens(token_id) or ""
-        if match := _BYTE_FALLBACK_PIECE.fullmatch(piece):
-            return text, bytes([int(match.group(1), 16)])
-        alphabet = _byte_level_alphabet()
-        if piece and all(c in alphabet for c in piece):
-            return text, bytes(alphabet[c] for c in piece)
-        return text, text.encode("utf-8")
+        raw = self._ll_tokenizer.decode_bytes([token_id])
+        if self._ll_tokenizer.is_special_token(token_id) and token_id not in self._added_token_ids:
+            # Not special to the tokenizer: logits padding past its vocabulary (no text), or a
+            # token whose first byte is 0xFF (Llama 3's raw byte 0xFF), which decode_bytes drops.
+            raw = _SPECIAL_TOKEN_MARKER + raw if token_id < self._vocab_size else b""
+        return raw.decode("utf-8", errors="replace"), raw
 
 
-def chat_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Optional[Sequence[TokenLogprob]]
+def chat_logprobs(runtime: ModelRuntime, token_ids: Sequence[int], logprobs: Optional[Sequence[TokenLogprob]]
                   ) -> Optional[ChoiceLogprobs]:
     """A chat choice's (or chunk's) logprobs; None when the request did not ask for them."""
     if logprobs is None:
         return None
-    texts = token_texts(tokenizer)
+    texts = token_texts(runtime)
 
     def top_entry(token_id: int, logprob: float) -> TopLogprob:
         text, raw = texts.get(token_id)

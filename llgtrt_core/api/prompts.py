@@ -14,8 +14,8 @@ from llgtrt_core.api.protocol import (
     CompletionRequest,
     TokenizeChatRequest,
 )
-from llgtrt_core.api.tool_calls import tool_format_of
 from llgtrt_core.chat_template import ChatTemplateError
+from llgtrt_core.runtime import ModelRuntime
 from llgtrt_core.tokenizer import Tokenizer
 from llgtrt_core.tools import ToolPlan, template_inputs
 
@@ -52,13 +52,14 @@ def _template_message(message: ChatCompletionMessageParam, param: str) -> dict[s
     return as_dict
 
 
-def chat_prompt_text(request: Union[ChatCompletionRequest, TokenizeChatRequest], tokenizer: Tokenizer,
+def chat_prompt_text(request: Union[ChatCompletionRequest, TokenizeChatRequest], runtime: ModelRuntime,
                      plan: Optional[ToolPlan]) -> str:
     """The conversation through the model's template, with the request's tools and template options."""
+    tokenizer = runtime.tokenizer
     if tokenizer.chat_template is None:
         raise APIError("this model has no chat template; use /v1/completions", param="messages")
     messages = [_template_message(m, f"messages[{i}]") for i, m in enumerate(request.messages)]
-    messages, tools = template_inputs(messages, plan, tool_format_of(tokenizer))
+    messages, tools = template_inputs(messages, plan, runtime.tool_format)
     try:
         return tokenizer.chat_template.render(
             messages,
@@ -71,9 +72,9 @@ def chat_prompt_text(request: Union[ChatCompletionRequest, TokenizeChatRequest],
         raise APIError(str(e), param="messages") from e
 
 
-def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer, plan: Optional[ToolPlan] = None) -> list[int]:
+def chat_prompt_ids(request: ChatCompletionRequest, runtime: ModelRuntime, plan: Optional[ToolPlan] = None) -> list[int]:
     # The template writes BOS and friends itself.
-    return tokenizer.encode(chat_prompt_text(request, tokenizer, plan), add_special_tokens=False)
+    return runtime.tokenizer.encode(chat_prompt_text(request, runtime, plan), add_special_tokens=False)
 
 
 def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:

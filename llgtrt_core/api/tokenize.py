@@ -25,7 +25,7 @@ def tokenize(request: TokenizeRequest, runtime: ModelRuntime) -> TokenizeRespons
     _check_model(request.model, runtime)
     tokenizer = runtime.tokenizer
     if isinstance(request, TokenizeChatRequest):
-        text = chat_prompt_text(request, tokenizer, request_tool_plan(request, tokenizer))
+        text = chat_prompt_text(request, runtime, request_tool_plan(request, runtime))
     else:
         text = request.prompt
     tokens = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)

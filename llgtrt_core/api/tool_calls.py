@@ -21,7 +21,7 @@ from llgtrt_core.api.protocol import (
     DeltaToolCall,
     FunctionCall,
 )
-from llgtrt_core.constraints import GrammarRequestError, RequestGrammar, request_grammar
+from llgtrt_core.constraints import GrammarCompiler, GrammarRequestError, RequestGrammar, request_grammar
 from llgtrt_core.runtime import ModelRuntime
 from llgtrt_core.tokenizer import Tokenizer
 from llgtrt_core.tools import (
@@ -30,25 +30,20 @@ from llgtrt_core.tools import (
     ContentDelta,
     ToolCallParser,
     ToolEvent,
-    ToolFormat,
     ToolPlan,
-    ToolRequestError,
     arguments_grammar,
-    detect_tool_format,
     plan_tools,
     tool_grammar,
 )
 
-
-def tool_format_of(tokenizer: Tokenizer) -> ToolFormat:
-    return detect_tool_format(tokenizer.chat_template.source if tokenizer.chat_template else None)
+TOOLS_PARAM = "tools"  # named by a 400 when the tools grammar fails and no single tool's schema does
 
 
-def request_tool_plan(request: Any, tokenizer: Tokenizer) -> Optional[ToolPlan]:
+def request_tool_plan(request: Any, runtime: ModelRuntime) -> Optional[ToolPlan]:
     """The request's tools, validated (400 naming the field); None when it has none."""
     try:
-        return plan_tools(request, tool_format_of(tokenizer))
-    except ToolRequestError as e:
+        return plan_tools(request, runtime.tool_format)
+    except GrammarRequestError as e:
         raise APIError(e.message, param=e.param) from e
 
 
@@ -62,14 +57,23 @@ async def tool_constraint(plan: Optional[ToolPlan], request: Any, runtime: Model
     if plan is None or not plan.parses_calls or runtime.grammars is None:
         return None
     try:
-        for tool in plan.callable_tools:  # a bad schema is reported against its own tool
-            grammar = json.dumps({"grammars": [arguments_grammar(tool)]})
-            await runtime.grammars.compile(grammar, f"{tool.param}.parameters")
         answer = request_grammar(request, runtime.grammars.json_whitespace_flexible) if plan.mode == "auto" else None
         text = tool_grammar(plan, runtime.tokenizer.hf.get_added_vocab(), answer.grammar if answer else None)
-    except (ToolRequestError, GrammarRequestError) as e:
+        await compile_tool_grammar(runtime.grammars, plan, text)
+    except GrammarRequestError as e:
         raise APIError(e.message, param=e.param) from e
-    return RequestGrammar("tools", text)
+    return RequestGrammar(TOOLS_PARAM, text)
+
+
+async def compile_tool_grammar(grammars: GrammarCompiler, plan: ToolPlan, text: str) -> None:
+    """Compile the tools grammar through the compiler's cache (a repeated tool list compiles
+    nothing). When it fails, the first tool whose own arguments grammar fails is named instead."""
+    try:
+        await grammars.compile(text, TOOLS_PARAM)
+    except GrammarRequestError:
+        for tool in plan.callable_tools:
+            await grammars.compile(json.dumps({"grammars": [arguments_grammar(tool)]}), f"{tool.param}.parameters")
+        raise
 
 
 class ChoiceToolOutput:

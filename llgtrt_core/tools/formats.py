@@ -9,13 +9,10 @@ constrains generation, and the rendering of past calls for templates that cannot
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import string
 from dataclasses import dataclass
 from typing import Optional
-
-TOOL_FORMAT_ENV = "LLGTRT_TOOL_FORMAT"  # force a family by name, whatever the template says
 
 
 @dataclass(frozen=True)
@@ -61,13 +58,11 @@ GENERIC_JSON = ToolFormat("generic_json", trigger="<tool_call>", open="\n", clos
 TOOL_FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GENERIC_JSON)}
 
 
-def detect_tool_format(template_source: Optional[str]) -> ToolFormat:
-    """The family a chat template was written for; GENERIC_JSON when it knows no tools."""
-    forced = os.environ.get(TOOL_FORMAT_ENV)
-    if forced:
-        if forced not in TOOL_FORMATS:
-            raise ValueError(f"{TOOL_FORMAT_ENV}={forced!r}: expected one of {sorted(TOOL_FORMATS)}")
-        return TOOL_FORMATS[forced]
+def detect_tool_format(template_source: Optional[str], configured: Optional[str] = None) -> ToolFormat:
+    """The family a chat template was written for (GENERIC_JSON when it knows no tools), unless
+    the config names one (`tokenizer.tool_format`, a key of TOOL_FORMATS). Resolve it once per model."""
+    if configured is not None:
+        return TOOL_FORMATS[configured]
     source = template_source or ""
     if "<tool_call>" in source:
         return HERMES

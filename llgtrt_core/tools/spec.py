@@ -1,7 +1,8 @@
 """The tools of one request, validated: which may be called, how, and how often.
 
 `tools`/`tool_choice` and the legacy `functions`/`function_call` both become one `ToolPlan`;
-every mistake is a `ToolRequestError` naming the request field (the API answers 400).
+every mistake is a `ToolRequestError` naming the request field (the API answers 400, as it does
+for every `GrammarRequestError`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
+from llgtrt_core.constraints.errors import GrammarRequestError
 from llgtrt_core.tools.formats import ToolFormat
 
 ToolMode = Literal["none", "auto", "required", "named"]
@@ -18,11 +20,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-class ToolRequestError(ValueError):
-    def __init__(self, param: str, message: str):
-        super().__init__(f"{param}: {message}")
-        self.param = param
-        self.message = message
+class ToolRequestError(GrammarRequestError):
+    """The request's tools cannot be honoured (bad name, schema, choice)."""
 
 
 @dataclass(frozen=True)
