@@ -23,6 +23,7 @@ from llgtrt_core.constraints.request_grammar import json_schema_grammar
 from llgtrt_core.engine.interface import GenerationRequest, SamplingParams, TokenLogprob
 from llgtrt_core.engine.kv_cache import KVCache
 from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig
+from llgtrt_core.models.llama import Segment
 from llgtrt_core.models.loader import load_model
 from llgtrt_core.tokenizer import Tokenizer
 
@@ -111,6 +112,25 @@ def test_extend_matches_a_prefill_of_the_same_tokens(stored_model_dir: Path, tok
     extended = model.extend(tokens[-5:], cache, slot=1, start=len(tokens) - 5)
     assert torch.allclose(extended, expected, atol=1e-4), (extended - expected).abs().max()
     assert torch.allclose(cache.keys[3][1, :, :len(tokens)], cache.keys[3][0, :, :len(tokens)], atol=1e-4)
+
+
+def test_extend_batch_matches_one_extend_per_slot(stored_model_dir: Path, tokenizer: Tokenizer) -> None:
+    """Segments of several slots in one pass (a fresh prompt, a continuation of a cached one, a
+    single token): the same logits and cached keys as one `extend` per slot."""
+    model = load_model(stored_model_dir, 256, torch.float32, torch.device("cpu"))
+    config = model.config
+    caches = [KVCache(config.num_layers, 3, config.num_kv_heads, config.head_dim, 256, torch.float32,
+                      torch.device("cpu")) for _ in range(2)]
+    first = torch.tensor(chat_prompt(tokenizer, "Name a city."))
+    second = torch.tensor(chat_prompt(tokenizer, "Write a haiku about the sea."))
+    for cache in caches:
+        model.extend(second[:10], cache, slot=2)  # slot 2 continues from position 10
+    one_by_one = torch.stack([model.extend(first, caches[0], slot=0), model.extend(second[10:], caches[0], 2, 10),
+                              model.extend(first[:1], caches[0], slot=1)])
+    segments = [Segment(0, 0, len(first)), Segment(2, 10, len(second) - 10), Segment(1, 0, 1)]
+    batched = model.extend_batch(torch.cat([first, second[10:], first[:1]]), caches[1], segments)
+    assert torch.allclose(batched, one_by_one, atol=1e-4), (batched - one_by_one).abs().max()
+    assert torch.allclose(caches[1].keys[5][:, :, :len(second)], caches[0].keys[5][:, :, :len(second)], atol=1e-4)
 
 
 def test_same_greedy_output_in_fewer_steps(stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer) -> None:

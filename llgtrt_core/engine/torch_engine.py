@@ -65,7 +65,7 @@ from llgtrt_core.engine.decode_graphs import DecodeGraphs
 from llgtrt_core.engine.kv_cache import KVCache
 from llgtrt_core.engine.sampler import BatchSampler, token_logprobs
 from llgtrt_core.kernels import int64_to_device
-from llgtrt_core.models.llama import LlamaForCausalLM
+from llgtrt_core.models.llama import LlamaForCausalLM, Segment
 from llgtrt_core.models.loader import load_config, load_model
 
 logger = logging.getLogger(__name__)
@@ -137,6 +137,7 @@ class _Chunk:
 _STOP = object()
 GIL_SWITCH_INTERVAL_S = 0.0005
 _PROMPT_LOGPROBS_CHUNK = 256  # prompt positions projected to the vocabulary at once
+PREFILL_PASS_TOKENS = 8192  # prompt tokens batched into one forward pass (bounds its activations)
 
 
 class TorchEngine(Engine):
@@ -462,10 +463,11 @@ class TorchEngine(Engine):
                     seq.length += 1
                     seq.pending_tokens = seq.pending_tokens[1:]  # a copy: the list went out in a delta
             logits.append(self._extend_pending(batch, ahead[:num_decoding]))
-        for chunk in chunks:
-            row = self._prefill_chunk(chunk)
-            if chunk.last:
-                logits.append(row.unsqueeze(0))
+        if chunks:
+            rows = self._prefill(chunks)
+            sampling = [index for index, chunk in enumerate(chunks) if chunk.last]
+            if sampling:
+                logits.append(rows[sampling])
         if not logits:
             return None
         return torch.cat(logits) if len(logits) > 1 else logits[0]
@@ -481,34 +483,45 @@ class TorchEngine(Engine):
         return self.model.decode(token_ids, positions_tensor, max(positions) + 1, self.cache)
 
     def _extend_pending(self, batch: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """Feed the tokens still pending after the decoded one (forced by a grammar) through
-        `extend`; its last logits replace the sequence's row."""
-        for slot, seq in enumerate(batch):
-            if seq.pending_tokens:
-                self.cache.reserve(seq.length + len(seq.pending_tokens))
-                forced = int64_to_device(seq.pending_tokens, self.device)
-                logits[slot] = self.model.extend(forced, self.cache, slot, start=seq.length)
-                seq.length += len(seq.pending_tokens)
-                seq.pending_tokens = []
+        """Feed the tokens still pending after the decoded one (forced by a grammar) through one
+        `extend_batch`; each such sequence's row becomes its last pending token's logits."""
+        pending = [(slot, seq) for slot, seq in enumerate(batch) if seq.pending_tokens]
+        if not pending:
+            return logits
+        self.cache.reserve(max(seq.length + len(seq.pending_tokens) for _, seq in pending))
+        tokens = int64_to_device([t for _, seq in pending for t in seq.pending_tokens], self.device)
+        segments = [Segment(slot, seq.length, len(seq.pending_tokens)) for slot, seq in pending]
+        logits[[slot for slot, _ in pending]] = self.model.extend_batch(tokens, self.cache, segments)
+        for _, seq in pending:
+            seq.length += len(seq.pending_tokens)
+            seq.pending_tokens = []
         return logits
 
-    def _prefill_chunk(self, chunk: _Chunk) -> torch.Tensor:
-        """Extend the slot with this chunk's tokens; the last position's logits. A prompt prefilled
-        to its end emits its forced tokens (with the prompt logprobs) as its first delta."""
-        seq = chunk.seq
-        tokens = int64_to_device(seq.prefill_tokens[seq.length:chunk.end], self.device)
-        if seq.request.sampling.prompt_logprobs is None:
-            logits = self.model.extend(tokens, self.cache, chunk.slot, seq.length)
-        else:
-            logits = self._extend_scoring_prompt(seq, tokens, chunk.slot)
-        seq.length = chunk.end
-        if chunk.last:
-            forced = seq.prefill_tokens[len(seq.request.prompt_token_ids):]
-            seq.prefill_tokens = []
-            if forced:
-                seq.emit(TokenDelta(forced, logprobs=self._forced_logprobs(seq, forced),
-                                    prompt_logprobs=seq.take_prompt_logprobs()))
-        return logits
+    def _prefill(self, chunks: list[_Chunk]) -> torch.Tensor:
+        """Extend each chunk's slot with its tokens, several chunks per forward pass (the matmuls
+        batched: a wave of prompts is prefilled in a few passes, not one pass each); each chunk's
+        last-position logits, in order. A prompt prefilled to its end emits its forced tokens (with
+        the prompt logprobs) as its first delta."""
+        rows = []
+        for batch in _prefill_passes(chunks):
+            if _scores_prompt(batch[0]):  # alone in its pass
+                seq = batch[0].seq
+                tokens = int64_to_device(seq.prefill_tokens[seq.length:batch[0].end], self.device)
+                rows.append(self._extend_scoring_prompt(seq, tokens, batch[0].slot).unsqueeze(0))
+                continue
+            tokens = int64_to_device([t for c in batch for t in c.seq.prefill_tokens[c.seq.length:c.end]], self.device)
+            segments = [Segment(c.slot, c.seq.length, c.end - c.seq.length) for c in batch]
+            rows.append(self.model.extend_batch(tokens, self.cache, segments))
+        for chunk in chunks:
+            seq = chunk.seq
+            seq.length = chunk.end
+            if chunk.last:
+                forced = seq.prefill_tokens[len(seq.request.prompt_token_ids):]
+                seq.prefill_tokens = []
+                if forced:
+                    seq.emit(TokenDelta(forced, logprobs=self._forced_logprobs(seq, forced),
+                                        prompt_logprobs=seq.take_prompt_logprobs()))
+        return torch.cat(rows) if len(rows) > 1 else rows[0]
 
     def _forced(self, seq: _Sequence, token: Optional[int], limit: int) -> list[int]:
         """Commit `token` (None: nothing sampled yet) and return the up to `limit` tokens its grammar
@@ -534,7 +547,7 @@ class TorchEngine(Engine):
         (positions, vocab) memory.
         """
         start = seq.length
-        hidden = self.model.extend_hidden(tokens, self.cache, slot, start)
+        hidden = self.model.extend_hidden(tokens, self.cache, [Segment(slot, start, tokens.shape[0])])
         logits = self.model.lm_head(hidden[-1]).float()
         prompt = seq.request.prompt_token_ids
         scored = min(start + tokens.shape[0], len(prompt) - 1) - start  # position p predicts prompt[p + 1]
@@ -602,6 +615,26 @@ class TorchEngine(Engine):
     def _move(self, src: int, dst: int, length: int) -> None:
         self.cache.move(src, dst, length)
         self.sampler.move(src, dst)
+
+
+def _prefill_passes(chunks: list[_Chunk]) -> list[list[_Chunk]]:
+    """Consecutive chunks grouped into forward passes of at most PREFILL_PASS_TOKENS tokens (a longer
+    chunk runs alone); a chunk scoring its prompt's logprobs runs alone too."""
+    passes: list[list[_Chunk]] = []
+    tokens = 0
+    for chunk in chunks:
+        size = chunk.end - chunk.seq.length
+        if not passes or tokens + size > PREFILL_PASS_TOKENS or _scores_prompt(chunk) or _scores_prompt(passes[-1][0]):
+            passes.append([chunk])
+            tokens = size
+        else:
+            passes[-1].append(chunk)
+            tokens += size
+    return passes
+
+
+def _scores_prompt(chunk: _Chunk) -> bool:
+    return chunk.seq.request.sampling.prompt_logprobs is not None
 
 
 def _put_all(items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:

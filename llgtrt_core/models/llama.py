@@ -11,9 +11,10 @@ slots at once for decode.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,15 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`length` new tokens of cache slot `slot`, at positions start..start+length-1."""
+
+    slot: int
+    start: int
+    length: int
 
 
 @dataclass(frozen=True)
@@ -161,24 +171,32 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def extend(self, x: torch.Tensor, cos, sin, cache: KVCache, slot: int, start: int,
-               attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """One sequence's new tokens at positions start..start+seq-1: attends to the slot's cached
-        keys and causally among the new ones. x: (1, seq, hidden); cos/sin: float32 (1, 1, seq,
-        head_dim); attn_mask: (seq, start+seq) bool, None when start is 0."""
-        batch, seq, _ = x.shape
+    def extend(self, x: torch.Tensor, cos, sin, cache: KVCache, segments: Sequence[Segment],
+               attn_masks: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+        """New tokens of one or more sequences, concatenated: segment i's attend to its slot's cached
+        keys and causally among themselves. x: (1, total, hidden); cos/sin: float32 (1, 1, total,
+        head_dim); attn_masks[i]: (length, start+length) bool, None when the segment starts at 0.
+        The projections run over all tokens at once, attention one segment at a time."""
+        batch, total, _ = x.shape
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(batch, seq, self.num_heads, self.head_dim)
-        k = k.view(batch, seq, self.num_kv_heads, self.head_dim)
-        v = v.view(batch, seq, self.num_kv_heads, self.head_dim)
+        q = q.view(batch, total, self.num_heads, self.head_dim)
+        k = k.view(batch, total, self.num_kv_heads, self.head_dim)
+        v = v.view(batch, total, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, total, head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.write_extend(self.layer_index, slot, start, k[0], v[0])
-        out = F.scaled_dot_product_attention(q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=attn_mask,
-                                             is_causal=attn_mask is None, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        outputs, offset = [], 0
+        for segment, attn_mask in zip(segments, attn_masks):
+            part = slice(offset, offset + segment.length)
+            keys, values = cache.write_extend(self.layer_index, segment.slot, segment.start, k[0, :, part],
+                                              v[0, :, part])
+            outputs.append(F.scaled_dot_product_attention(q[:, :, part], keys.unsqueeze(0), values.unsqueeze(0),
+                                                          attn_mask=attn_mask, is_causal=attn_mask is None,
+                                                          enable_gqa=True))
+            offset += segment.length
+        out = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, total, -1))
 
     def decode(self, x: torch.Tensor, ops: LayerOps, cos_table: torch.Tensor, sin_table: torch.Tensor,
                cache: KVCache, positions: torch.Tensor, key_len: int) -> torch.Tensor:
@@ -270,20 +288,30 @@ class LlamaForCausalLM(nn.Module):
     def extend(self, token_ids: torch.Tensor, cache: KVCache, slot: int, start: int = 0) -> torch.Tensor:
         """token_ids: (seq,) appended to one cache slot at positions start..start+seq-1 (a prompt when
         start is 0, tokens a grammar forced otherwise). Returns the last position's logits (vocab,)."""
-        return self.lm_head(self.extend_hidden(token_ids, cache, slot, start)[-1]).float()
+        return self.extend_batch(token_ids, cache, [Segment(slot, start, token_ids.shape[0])])[0]
 
     @torch.inference_mode()
-    def extend_hidden(self, token_ids: torch.Tensor, cache: KVCache, slot: int, start: int = 0) -> torch.Tensor:
-        """`extend`, returning every new position's final hidden state (seq, hidden) instead of the
-        last position's logits (prompt logprobs project them chunk by chunk)."""
-        end = start + token_ids.shape[0]
-        positions = torch.arange(start, end, device=token_ids.device)
-        # Query i sees keys 0..start+i; from 0 that is plain causal attention (SDPA's is_causal).
-        attn_mask = None if start == 0 else torch.arange(end, device=token_ids.device) <= positions[:, None]
+    def extend_batch(self, token_ids: torch.Tensor, cache: KVCache, segments: Sequence[Segment]) -> torch.Tensor:
+        """`extend` for several slots in one pass: token_ids holds each segment's tokens in turn.
+        Returns each segment's last-position logits (segments, vocab)."""
+        last = torch.tensor(list(itertools.accumulate(segment.length for segment in segments))) - 1
+        return self.lm_head(self.extend_hidden(token_ids, cache, segments)[last.to(token_ids.device)]).float()
+
+    @torch.inference_mode()
+    def extend_hidden(self, token_ids: torch.Tensor, cache: KVCache, segments: Sequence[Segment]) -> torch.Tensor:
+        """`extend_batch`, returning every new position's final hidden state (total, hidden) instead
+        of the last positions' logits (prompt logprobs project them chunk by chunk)."""
+        device = token_ids.device
+        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]).to(device)
+        # Query i of a segment sees keys 0..start+i; from 0 that is plain causal attention (SDPA's is_causal).
+        attn_masks = [None if s.start == 0 else
+                      torch.arange(s.start + s.length, device=device) <= torch.arange(s.start, s.start + s.length,
+                                                                                       device=device)[:, None]
+                      for s in segments]
         cos, sin = self.rope_cos[positions][None, None], self.rope_sin[positions][None, None]
         hidden = self._run(
-            self.model.embed_tokens(token_ids.unsqueeze(0)), layer_ops(token_ids.device, self.fused_ops),
-            lambda attn, h: attn.extend(h, cos, sin, cache, slot, start, attn_mask),
+            self.model.embed_tokens(token_ids.unsqueeze(0)), layer_ops(device, self.fused_ops),
+            lambda attn, h: attn.extend(h, cos, sin, cache, segments, attn_masks),
         )
         return hidden[0]
 
