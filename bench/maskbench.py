@@ -50,7 +50,7 @@ from llguidance.torch import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "bench")]  # the package, and measure.py beside this script
 
 from llgtrt_core.constraints import GrammarCompiler, GrammarRequestError, build_ll_tokenizer  # noqa: E402
 from measure import percentile  # noqa: E402  (bench/ is the script's folder)
