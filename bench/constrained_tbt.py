@@ -114,8 +114,10 @@ def time_per_output_token(result: StreamResult) -> float:
 
 def stats(results: list[StreamResult]) -> dict[str, Any]:
     ok = [r for r in results if r.error is None]
-    return {"tbt_p50": percentile([g for r in ok for g in r.gaps], 50),
-            "tbt_p99": percentile([g for r in ok for g in r.gaps], 99),
+    gaps = [g for r in ok for g in r.gaps]
+    return {"tbt_p50": percentile(gaps, 50),
+            "tbt_percentiles": [percentile(gaps, q) for q in range(1, 100)],  # the distribution, for --plot
+            "tbt_p99": percentile(gaps, 99),
             "tpot_p50": percentile([time_per_output_token(r) for r in ok if r.tokens > 1], 50),
             "tokens_per_chunk": sum(r.tokens for r in ok) / max(sum(r.chunks for r in ok), 1),
             "ttft_p50": percentile([r.ttft for r in ok if r.ttft is not None], 50),
@@ -140,6 +142,29 @@ async def measure_batch(client: httpx.AsyncClient, pool: ClientProcesses, url: s
             "tbt_ratio": on["tbt_p50"] / off["tbt_p50"], "tpot_ratio": on["tpot_p50"] / off["tpot_p50"],
             "ttft_overhead_p50": on["ttft_p50"] - off["ttft_p50"],
             "mask_fill_mean": mask.mean(), "mask_fill_steps": mask.count}
+
+
+def plot_tbt(rows: list[dict[str, Any]], path: Path) -> None:
+    """TBT distributions (percentiles 1-99), constrained against unconstrained, one color per batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    quantiles = list(range(1, 100))
+    for color, r in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], rows):
+        for kind, style in (("unconstrained", "-"), ("constrained", "--")):
+            ax.plot([1e3 * t for t in r[kind]["tbt_percentiles"]], quantiles, style, color=color,
+                    label=f"batch {r['batch']}, {kind}")
+    ax.set_xscale("log")
+    ax.set_xlabel("time between chunks (ms)")
+    ax.set_ylabel("percentile")
+    ax.set_title("TBT through the HTTP server, json_schema requests against plain ones")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -184,6 +209,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 pool.close()
     print_table(rows)
+    if args.plot:
+        plot_tbt(rows, args.plot)
     print(f"load average after: {machine()}")
     return {"client_processes": pool.processes, "schemas": [name for name, _ in schemas],
             "first_sight_ttft": first_ttfts, "rows": rows}
@@ -200,6 +227,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile-budget", type=float, default=300, help="seconds for finding the schemas")
+    parser.add_argument("--plot", type=Path, default=None, help="write the TBT distributions here (PNG)")
     run_main(parser, main_async)
 
 
