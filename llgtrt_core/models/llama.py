@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llgtrt_core.engine.kv_cache import KVCache
+from llgtrt_core.kernels import int64_to_device
 from llgtrt_core.layers.layernorm import rms_norm
 from llgtrt_core.layers.ops import LayerOps, layer_ops
 from llgtrt_core.layers.rotary import apply_rope
@@ -294,15 +295,17 @@ class LlamaForCausalLM(nn.Module):
     def extend_batch(self, token_ids: torch.Tensor, cache: KVCache, segments: Sequence[Segment]) -> torch.Tensor:
         """`extend` for several slots in one pass: token_ids holds each segment's tokens in turn.
         Returns each segment's last-position logits (segments, vocab)."""
-        last = torch.tensor(list(itertools.accumulate(segment.length for segment in segments))) - 1
-        return self.lm_head(self.extend_hidden(token_ids, cache, segments)[last.to(token_ids.device)]).float()
+        last = int64_to_device([end - 1 for end in itertools.accumulate(s.length for s in segments)], token_ids.device)
+        return self.lm_head(self.extend_hidden(token_ids, cache, segments)[last]).float()
 
     @torch.inference_mode()
     def extend_hidden(self, token_ids: torch.Tensor, cache: KVCache, segments: Sequence[Segment]) -> torch.Tensor:
         """`extend_batch`, returning every new position's final hidden state (total, hidden) instead
         of the last positions' logits (prompt logprobs project them chunk by chunk)."""
         device = token_ids.device
-        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]).to(device)
+        # From pinned memory: a pageable copy would wait for the work already queued (the GPU idles
+        # while the host then queues this pass).
+        positions = int64_to_device([p for s in segments for p in range(s.start, s.start + s.length)], device)
         # Query i of a segment sees keys 0..start+i; from 0 that is plain causal attention (SDPA's is_causal).
         attn_masks = [None if s.start == 0 else
                       torch.arange(s.start + s.length, device=device) <= torch.arange(s.start, s.start + s.length,
