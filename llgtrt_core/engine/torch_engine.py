@@ -466,8 +466,10 @@ class TorchEngine(Engine):
         if chunks:
             rows = self._prefill(chunks)
             sampling = [index for index, chunk in enumerate(chunks) if chunk.last]
-            if sampling:
-                logits.append(rows[sampling])
+            if len(sampling) == len(chunks):
+                logits.append(rows)
+            elif sampling:  # indices from pinned memory: a list index would copy them synchronously
+                logits.append(rows[int64_to_device(sampling, self.device)])
         if not logits:
             return None
         return torch.cat(logits) if len(logits) > 1 else logits[0]
@@ -491,7 +493,8 @@ class TorchEngine(Engine):
         self.cache.reserve(max(seq.length + len(seq.pending_tokens) for _, seq in pending))
         tokens = int64_to_device([t for _, seq in pending for t in seq.pending_tokens], self.device)
         segments = [Segment(slot, seq.length, len(seq.pending_tokens)) for slot, seq in pending]
-        logits[[slot for slot, _ in pending]] = self.model.extend_batch(tokens, self.cache, segments)
+        slots = int64_to_device([slot for slot, _ in pending], self.device)
+        logits[slots] = self.model.extend_batch(tokens, self.cache, segments)
         for _, seq in pending:
             seq.length += len(seq.pending_tokens)
             seq.pending_tokens = []
