@@ -22,6 +22,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
 
 
+def qkv_shape(qkv: torch.Tensor, key_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """(rows, heads, kv_heads, head_dim) of a packed qkv row block and the cache it writes into:
+    the one shape contract of both rope_write_kv implementations."""
+    kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
+    return qkv.shape[0], qkv.shape[1] // head_dim - 2 * kv_heads, kv_heads, head_dim
+
+
 def rope_write_kv(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -41,9 +48,7 @@ def rope_write_kv(
     RMS-normalized per head before the rotation. Writes rotated k and v into the caches at each
     row's position; returns rotated q (n, heads, head_dim).
     """
-    n = qkv.shape[0]
-    kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
-    heads = qkv.shape[1] // head_dim - 2 * kv_heads
+    n, heads, kv_heads, head_dim = qkv_shape(qkv, key_cache)
     q, k, v = qkv.view(n, -1, head_dim).split([heads, kv_heads, kv_heads], dim=1)
     if q_norm_weight is not None:
         q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)

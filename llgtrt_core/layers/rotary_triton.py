@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llgtrt_core.layers.rotary import qkv_shape
+
 
 @triton.jit
 def _rope_write_kv_kernel(
@@ -72,9 +74,7 @@ def rope_write_kv(
     eps: float = 0.0,
 ) -> torch.Tensor:
     """Same contract as rotary.rope_write_kv (qkv rows and the tables contiguous in their last dim)."""
-    n = qkv.shape[0]
-    kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
-    heads = qkv.shape[1] // head_dim - 2 * kv_heads
+    n, heads, kv_heads, head_dim = qkv_shape(qkv, key_cache)
     q = qkv.new_empty(n, heads, head_dim)
     qk_norm = q_norm_weight is not None
     _rope_write_kv_kernel[(n, heads + 2 * kv_heads)](
