@@ -68,11 +68,6 @@ class Tokenizer:
         return frozenset(ids)
 
     @property
-    def backend(self) -> Any:
-        """The Rust `tokenizers.Tokenizer` (for `tokenizers.decoders.DecodeStream`)."""
-        return self._fast
-
-    @property
     def vocab_size(self) -> int:
         """Number of token ids the tokenizer knows, added tokens included."""
         return self._fast.get_vocab_size(with_added_tokens=True)
