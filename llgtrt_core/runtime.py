@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from llgtrt_core.constraints.grammar import GrammarCompiler
@@ -18,4 +18,4 @@ class ModelRuntime:
     tokenizer: "Tokenizer"
     engine: "Engine"
     tool_format: "ToolFormat"  # resolved once per model: config, else the chat template
-    grammars: Optional["GrammarCompiler"] = None  # None: constraints unavailable
+    grammars: "GrammarCompiler"  # built once per model: every request's constraints, tool grammars, token bytes

@@ -31,7 +31,6 @@ def reported(logprob: float) -> float:
 def token_texts(runtime: ModelRuntime) -> TokenTexts:
     """The model's token texts, shared by every request, from the llguidance tokenizer its grammar
     compiler holds (built once per model)."""
-    assert runtime.grammars is not None, "a served model always has its grammar compiler"
     return _token_texts(runtime.grammars.tokenizer, runtime.tokenizer)
 
 

@@ -111,17 +111,6 @@ class ConstraintFields(OpenAIBaseModel):
     guided_grammar: Optional[str] = None
     guided_whitespace_pattern: Optional[str] = None
 
-    def constraint_param(self) -> Optional[str]:
-        """Name of the first field that asks for constrained output, None for free text."""
-        if self.response_format is not None and self.response_format.type != "text":
-            return "response_format"
-        if self.structured_outputs is not None:
-            return "structured_outputs"
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-            if getattr(self, name) is not None:
-                return name
-        return None
-
 
 # --------------------------------------------------------------------------- shared request fields
 

@@ -39,12 +39,6 @@ async def make_constraint(request: ApiRequest, runtime: ModelRuntime,
 
     `grammar`, when given (tool calling), replaces the one the request's own fields ask for.
     """
-    if runtime.grammars is None:
-        param = request.constraint_param()
-        if param is not None:
-            raise APIError("structured output is not available on this server", param=param,
-                           code="unsupported_parameter")
-        return None
     try:
         if grammar is not None:
             return runtime.grammars.new_constraint(await runtime.grammars.compile(grammar.grammar, grammar.param))

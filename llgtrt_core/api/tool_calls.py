@@ -54,7 +54,7 @@ def keeps_special_tokens(plan: Optional[ToolPlan], tokenizer: Tokenizer) -> bool
 
 async def tool_constraint(plan: Optional[ToolPlan], request: Any, runtime: ModelRuntime) -> Optional[RequestGrammar]:
     """The grammar that replaces the request's own constraint while tools may be called."""
-    if plan is None or not plan.parses_calls or runtime.grammars is None:
+    if plan is None or not plan.parses_calls:
         return None
     try:
         answer = request_grammar(request, runtime.grammars.json_whitespace_flexible) if plan.mode == "auto" else None
