@@ -465,11 +465,10 @@ class TorchEngine(Engine):
             logits.append(self._extend_pending(batch, ahead[:num_decoding]))
         if chunks:
             rows = self._prefill(chunks)
-            sampling = [index for index, chunk in enumerate(chunks) if chunk.last]
-            if len(sampling) == len(chunks):
-                logits.append(rows)
-            elif sampling:  # indices from pinned memory: a list index would copy them synchronously
-                logits.append(rows[int64_to_device(sampling, self.device)])
+            # Only the last chunk can stop short of its prompt's end (_plan_prefill stops there).
+            sampling = rows if chunks[-1].last else rows[:-1]
+            if sampling.shape[0]:
+                logits.append(sampling)
         if not logits:
             return None
         return torch.cat(logits) if len(logits) > 1 else logits[0]
