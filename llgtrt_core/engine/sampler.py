@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from llgtrt_core.engine.interface import SamplingParams, TokenLogprob
-from llgtrt_core.kernels import apply_token_bitmask_inplace, cuda_kernel_available
+from llgtrt_core.kernels import apply_token_bitmask_inplace, cuda_kernel_available, int64_to_device
 from llgtrt_core.kernels.sampling import sample_with_bitmask
 
 # The constraint masks of a step on the logits' device: (N, words) int32 and the N logits rows.
@@ -181,6 +181,7 @@ class BatchSampler:
         self.vocab_size = vocab_size
         self.device = device
         self.fused = device.type == "cuda" and cuda_kernel_available() if fused is None else fused
+        self._pinned = device.type == "cuda"  # host staging for asynchronous uploads
         self._table = torch.zeros(max_rows, len(_Col), device=device)
         self._generated = torch.zeros(max_rows, dtype=torch.int32, device=device)
         self._seed_base = torch.zeros(max_rows, dtype=torch.int64, device=device)  # fused rows' noise keys
@@ -205,7 +206,9 @@ class BatchSampler:
         self._params[row] = params
         self._generators[row] = generator
         self._fused[row] = self.fused and uses_fused_sampling(params)
-        self._table[row].copy_(torch.tensor(_table_row(params, self._fused[row])))
+        # From pinned memory, asynchronously: a pageable copy would wait for the queued decode.
+        self._table[row].copy_(torch.tensor(_table_row(params, self._fused[row]), pin_memory=self._pinned),
+                               non_blocking=True)
         self._generated[row] = 0
         self._seed_base[row] = fused_seed_base(generator.initial_seed())
         if _uses_penalties(params) or self._output_counts is not None:
@@ -215,7 +218,7 @@ class BatchSampler:
             self._prompt_tokens = self._allocated(self._prompt_tokens, torch.bool)
             self._prompt_tokens[row].zero_()
             if params.repetition_penalty != 1.0:
-                self._prompt_tokens[row, torch.tensor(list(prompt_token_ids), device=self.device)] = True
+                self._prompt_tokens[row, int64_to_device(prompt_token_ids, self.device)] = True
         if params.logit_bias or self._bias is not None:
             self._bias = self._allocated(self._bias, torch.float32)
             self._bias[row].zero_()
@@ -249,7 +252,7 @@ class BatchSampler:
     def _count_forced(self, row: int, token_ids: Sequence[int]) -> None:
         self._generated[row] += len(token_ids)
         if self._output_counts is not None:
-            ids = torch.tensor(list(token_ids), device=self.device)
+            ids = int64_to_device(token_ids, self.device)
             self._output_counts[row].scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
     def _allocated(self, state: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -258,11 +261,11 @@ class BatchSampler:
         return state
 
     def _dense_row(self, values: dict[int, float], dtype: torch.dtype) -> torch.Tensor:
-        row = torch.zeros(self.vocab_size, dtype=dtype)
+        row = torch.zeros(self.vocab_size, dtype=dtype, pin_memory=self._pinned)
         if values:
             ids = torch.tensor([t for t in values if t < self.vocab_size], dtype=torch.int64)
             row[ids] = torch.tensor([values[t] for t in values if t < self.vocab_size], dtype=dtype)
-        return row.to(self.device)
+        return row.to(self.device, non_blocking=True)
 
     # ---- one step ------------------------------------------------------------------------
 

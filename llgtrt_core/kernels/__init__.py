@@ -95,8 +95,6 @@ def _row_tensor(rows: Optional[RowIndices], device: torch.device) -> Optional[to
 def int64_to_device(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """Host ints as an int64 tensor on `device`; on CUDA through pinned memory, so the copy is
     asynchronous on the current stream (a pageable copy waits for the work already queued)."""
-    host = torch.tensor(list(values), dtype=torch.int64)
-    if device.type == "cuda":
-        host = host.pin_memory()
+    host = torch.tensor(list(values), dtype=torch.int64, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 
