@@ -10,6 +10,7 @@ for the whole batch can run in parallel (llgtrt's design, TensorRT-LLM's batched
 from __future__ import annotations
 
 import abc
+import asyncio
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Literal, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
@@ -158,6 +159,14 @@ class TokenDelta:
         prompt_logprobs = self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
         return TokenDelta(self.token_ids + later.token_ids, later.finish_reason, later.error, logprobs,
                           prompt_logprobs)
+
+
+async def next_delta(deltas: asyncio.Queue) -> TokenDelta:
+    """A request's next delta, with the backlog queued behind it merged in (`TokenDelta.then`)."""
+    delta = await deltas.get()
+    while delta.finish_reason is None and not deltas.empty():
+        delta = delta.then(deltas.get_nowait())
+    return delta
 
 
 class EngineError(Exception):

@@ -60,6 +60,7 @@ from llgtrt_core.engine.interface import (
     StagedPostProcessor,
     TokenDelta,
     TokenLogprob,
+    next_delta,
 )
 from llgtrt_core.engine.decode_graphs import DecodeGraphs
 from llgtrt_core.engine.kv_cache import KVCache
@@ -239,9 +240,7 @@ class TorchEngine(Engine):
         finished = False
         try:
             while not finished:
-                delta = await deltas.get()
-                while delta.finish_reason is None and not deltas.empty():
-                    delta = delta.then(deltas.get_nowait())
+                delta = await next_delta(deltas)
                 finished = delta.finish_reason is not None
                 yield delta
         finally:

@@ -38,6 +38,7 @@ from llgtrt_core.engine.interface import (
     LogitsPostProcessor,
     SamplingParams,
     TokenDelta,
+    next_delta,
 )
 from llgtrt_core.engine.trtllm_processors import (
     BatchedConstraintProcessor,
@@ -309,9 +310,7 @@ class TrtLlmEngine(Engine):
         finished = False
         try:
             while not finished:
-                delta = await running.deltas.get()
-                while delta.finish_reason is None and not running.deltas.empty():
-                    delta = delta.then(running.deltas.get_nowait())  # a consumer that fell behind: one chunk
+                delta = await next_delta(running.deltas)  # a consumer that fell behind: one chunk
                 finished = delta.finish_reason is not None
                 yield delta
         finally:
