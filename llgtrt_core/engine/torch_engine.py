@@ -10,13 +10,13 @@ token. Finished or aborted sequences leave between steps and the last slot moves
 so running sequences always fill slots 0..n-1.
 
 With `prefill_chunk_tokens` set, a step prefills at most that many prompt tokens: a longer
-prompt is prefilled a chunk per step (`LlamaForCausalLM.extend` from where the last chunk
+prompt is prefilled a chunk per step (`LlamaForCausalLM.extend_batch` from where the last chunk
 ended) while the running rows keep decoding. That prompt is the only one in progress; it sits
 in slot n (right after the running rows), moves down with them when one leaves, and joins them
 once its last chunk has run.
 
 When a grammar forces a run of tokens after the sampled one (fast-forward), they are emitted
-with it and fed in the next step's forward pass without being sampled (`extend`); under CUDA
+with it and fed in the next step's forward pass without being sampled (`extend_batch`); under CUDA
 graphs only the run before the first sampled token is (it rides on the prefill). On CUDA the
 cache holds the whole context for as many slots as fit, and decode replays CUDA graphs
 (`decode_graphs.py`); the only host sync of a step is reading the sampled tokens.
@@ -26,7 +26,7 @@ next step's decode of every running row is queued too, fed the sampled tokens on
 before the host reads them. The host's per-step work (handing out tokens, the grammar commits,
 the next mask fill) then runs while the GPU decodes instead of between decodes. A row that
 turns out finished was decoded once for nothing; tokens a grammar forces after the sampled one
-are fed by `extend` in the next step. Not while a prompt is part-prefilled (decode graphs write
+are fed by `extend_batch` in the next step. Not while a prompt is part-prefilled (decode graphs write
 padding into its slot).
 """
 
