@@ -32,7 +32,6 @@ import contextlib
 import json
 import multiprocessing
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -49,7 +48,7 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from measure import percentile  # noqa: E402  (bench/ is the script's folder)
+from measure import machine, percentile  # noqa: E402  (bench/ is the script's folder)
 from tests.bento_server import bentoml_serve  # noqa: E402
 
 QUESTIONS = (
@@ -256,10 +255,6 @@ async def served_model(client: httpx.AsyncClient, url: str) -> str:
 def new_client(concurrency: int, timeout_s: float) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits)
-
-
-def machine() -> str:
-    return f"{platform.node()}, {os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
 
 
 # --- client processes ------------------------------------------------------------------------

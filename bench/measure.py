@@ -1,6 +1,9 @@
-"""Measurements the benchmarks share: the GPU's copy bandwidth and one percentile rule."""
+"""What the benchmarks share: the GPU's copy bandwidth, one percentile rule, the machine line."""
 
 from __future__ import annotations
+
+import os
+import platform
 
 import torch
 
@@ -28,3 +31,10 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+def machine() -> str:
+    """The host a result came from: name, CPUs, Python, load average."""
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"{platform.node()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+            f"Python {platform.python_version()}, load average {load}")
