@@ -131,6 +131,31 @@ def test_abort_frees_the_slot_and_cache_grows(engine_factory, tokenizer, overlap
     assert capacity >= 302  # grew past its initial 256 positions for the 300-token prompt
 
 
+def test_prompts_split_over_prefill_passes_match_running_alone(engine_factory, tokenizer, monkeypatch) -> None:
+    """A step's prompts share forward passes up to PREFILL_PASS_TOKENS (here 40): some passes hold
+    two prompts, a longer one runs alone; every request still gets the tokens it gets alone."""
+    import llgtrt_core.engine.torch_engine as torch_engine
+
+    monkeypatch.setattr(torch_engine, "PREFILL_PASS_TOKENS", 40)
+    lengths = [10, 14, 50, 12]  # passes [10, 14], [50] (over the budget: alone), [12]
+    requests = [GenerationRequest(f"p{i}", list(range(300 + i, 300 + i + n)),
+                                  SamplingParams(max_tokens=4, temperature=0.0)) for i, n in enumerate(lengths)]
+
+    async def scenario():
+        engine = engine_factory(max_batch_size=4)
+        await engine.start()
+        try:
+            together = await asyncio.gather(*(run(engine, r) for r in requests))
+            alone = [await run(engine, r) for r in requests]
+            return together, alone
+        finally:
+            await engine.shutdown()
+
+    together, alone = asyncio.run(scenario())
+    assert together == alone
+    assert all(len(tokens) == 4 for tokens, _ in together)
+
+
 def test_rejects_prompts_that_do_not_fit(engine_factory) -> None:
     async def scenario():
         engine = engine_factory(max_batch_size=1, max_model_len=64)
