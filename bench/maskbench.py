@@ -11,11 +11,18 @@ XGrammar's batch API and one thread.
 
 XGrammar compiles far more slowly, so with --xgrammar it runs after llguidance in worker
 processes (one compile thread each) over the files in an order spread across the folder,
-until --xgrammar-budget seconds are spent; llguidance's figures are also given on those files.
+until --xgrammar-budget seconds are spent; files it did not reach are counted and named.
+llguidance's figures are also given on the files it reached.
+
+--shard K/N runs every N-th file (by name, from the K-th) and keeps the per-file values in the
+JSON; --merge then combines the N shard JSONs into one report over all their files, with
+percentiles recomputed from the per-file values. The batch-64 figures stay per shard.
 
     python bench/maskbench.py                       # whole folder, SmolLM2 tokenizer
     python bench/maskbench.py --tokenizer llama3 --every 4 --json out.json
     python bench/maskbench.py --every 40 --xgrammar --xgrammar-budget 120
+    python bench/maskbench.py --xgrammar --shard 0/2 --json s0.json   # then --shard 1/2 --json s1.json
+    python bench/maskbench.py --merge s0.json s1.json --json merged.json
 
 Needs torch, llguidance and transformers (plus gguf for the SmolLM2 GGUF, or pass --tokenizer
 with a saved Hugging Face tokenizer directory or a tokenizer.json); --xgrammar needs
@@ -35,7 +42,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -89,6 +96,27 @@ def distribution(xs: list[float]) -> dict[str, float]:
             "p50_us": percentile(xs, 50), "p99_us": percentile(xs, 99), "max_us": max(xs, default=float("nan"))}
 
 
+def usable_cores() -> int:
+    """CPUs this process may run on (a container's limit, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'K/N' -> (K, N), 0 <= K < N."""
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise argparse.ArgumentTypeError(f"expected K/N with 0 <= K < N, got {text!r}")
+    return int(index), int(count)
+
+
+def select_files(data: Path, every: int, limit: int, shard: tuple[int, int]) -> tuple[list[Path], int]:
+    """The shard's files, and how many files all N shards share out: the folder sorted by name,
+    every `every`-th file, the first `limit` of those, then every N-th from the K-th."""
+    chosen = sorted(data.glob("*.json"))[::every][: limit or None]
+    index, count = shard
+    return chosen[index::count], len(chosen)
+
+
 def spread_order(items: list[Any], stride: int = 64) -> list[Any]:
     """Every stride-th item, then the ones after them, ...: any prefix is spread over the whole
     (sorted) folder, so a run cut short by a time budget still samples every source."""
@@ -112,7 +140,7 @@ class FileResult:
 
 
 def summarize(results: list[FileResult]) -> dict[str, Any]:
-    """Coverage and timings over some files: the whole folder, or the files XGrammar reached."""
+    """Coverage and timings over some files: the whole folder, a shard, or the files XGrammar reached."""
     compiled = [r for r in results if r.compiled]
     valid_in_compiled = sum(r.valid for r in compiled)
     invalid_in_compiled = sum(r.invalid for r in compiled)
@@ -137,9 +165,39 @@ def summarize(results: list[FileResult]) -> dict[str, Any]:
         "mask_mismatches": sum(r.mask_mismatches for r in results),
         "first_mask": {p: distribution([r.first_mask_us[p] for r in compiled]) for p in paths},
         "step": {p: distribution([t for r in compiled for t in r.step_us[p]]) for p in paths},
-        "top_compile_errors": sorted(errors.items(), key=lambda kv: -kv[1])[:12],
-        "valid_rejected_files": [r.name for r in compiled if r.valid_accepted < r.valid][:50],
-        "invalid_accepted_files": [r.name for r in compiled if r.invalid_rejected < r.invalid][:50],
+        # sorted: the same files give the same lists, whatever order their results came in
+        "top_compile_errors": sorted(errors.items(), key=lambda kv: (-kv[1], kv[0]))[:12],
+        "valid_rejected_files": sorted(r.name for r in compiled if r.valid_accepted < r.valid)[:50],
+        "invalid_accepted_files": sorted(r.name for r in compiled if r.invalid_rejected < r.invalid)[:50],
+    }
+
+
+def compact(result: FileResult) -> dict[str, Any]:
+    """A FileResult for a shard's JSON (FileResult(**record) reads it back); timings rounded to
+    0.1 us, which keeps a whole folder's million steps per library within a few MB."""
+    record = asdict(result)
+    record["first_mask_us"] = {p: round(t, 1) for p, t in result.first_mask_us.items()}
+    record["step_us"] = {p: [round(t, 1) for t in times] for p, times in result.step_us.items()}
+    return record
+
+
+def llguidance_report(ours: list[FileResult]) -> dict[str, Any]:
+    """Our layer and llguidance direct over all files."""
+    compiled = [r for r in ours if r.compiled]
+    return {**summarize(ours),
+            "ours_over_raw_step_time": sum(t for r in compiled for t in r.step_us["ours"])
+            / max(1e-9, sum(t for r in compiled for t in r.step_us["raw"]))}
+
+
+def xgrammar_report(ours: list[FileResult], xgrammar: list[FileResult], not_reached: list[str]) -> dict[str, Any]:
+    """XGrammar over the files it reached, and llguidance over exactly those."""
+    reached = {r.name for r in xgrammar}
+    return {
+        "files_reached": len(reached),
+        "files_not_reached": len(not_reached),
+        "not_reached_files": sorted(not_reached)[:50],
+        "xgrammar": summarize(xgrammar),
+        "llguidance_same_files": summarize([r for r in ours if r.name in reached]),
     }
 
 
@@ -486,15 +544,15 @@ def _init_xgrammar_worker(tokenizer: str, vocab_size: int, deadline: float) -> N
 
 
 def _xgrammar_file(path: str) -> Optional[FileResult]:
-    """None once the budget is spent: the file is not counted."""
+    """None once the budget is spent: the file counts as not reached."""
     assert _worker is not None
     return _worker.run_file(Path(path)) if time.time() < _worker_deadline else None
 
 
 def run_xgrammar_files(files: list[Path], tokenizer: str, vocab_size: int, workers: int,
-                       budget_s: float) -> tuple[list[FileResult], int]:
+                       budget_s: float) -> tuple[list[FileResult], list[str]]:
     """XGrammar over `files` (in spread order) in `workers` processes until `budget_s` is spent:
-    the results, and how many files were left out (not started, or still compiling then)."""
+    the results, and the names of the files not reached (not started, or still compiling then)."""
     deadline = time.time() + budget_s
     results = []
     context = multiprocessing.get_context("spawn")  # no fork: llguidance's thread pool is running
@@ -507,7 +565,8 @@ def run_xgrammar_files(files: list[Path], tokenizer: str, vocab_size: int, worke
                     results.append(result)
         except (StopIteration, multiprocessing.TimeoutError):
             pass  # leaving the `with` terminates the workers
-    return results, len(files) - len(results)
+    reached = {r.name for r in results}
+    return results, [p.name for p in files if p.name not in reached]
 
 
 def batch_pool(bench: Bench, size: int, xgrammar_results: Optional[list[FileResult]],
@@ -530,9 +589,7 @@ def compile_xgrammar_pool(pool: list[BatchSequence], data: Path, xgrammar_files:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    files = sorted(Path(args.data).glob("*.json"))[:: args.every]
-    if args.limit:
-        files = files[: args.limit]
+    files, files_of_all_shards = select_files(Path(args.data), args.every, args.limit, args.shard or (0, 1))
     hf_tokenizer = load_hf_tokenizer(args.tokenizer)
     bench = Bench(hf_tokenizer, args.threads)
     torch.set_num_threads(1)
@@ -544,6 +601,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{index}/{len(files)} {time.perf_counter() - start:.0f}s", file=sys.stderr, flush=True)
     results: dict[str, Any] = {
         "command": " ".join(sys.argv),
+        **({"shard": {"index": args.shard[0], "of": args.shard[1], "files_of_all_shards": files_of_all_shards}}
+           if args.shard else {}),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine(),
         "llguidance": __import__("llguidance").__version__,
@@ -551,26 +610,21 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "vocab_size": bench.ll.vocab_size,
         "executor_threads": args.threads or "default (80% of cores)",
         "llguidance_seconds": round(time.perf_counter() - start, 1),
-        **summarize(ours),
-        "ours_over_raw_step_time": sum(t for r in ours if r.compiled for t in r.step_us["ours"])
-        / max(1e-9, sum(t for r in ours if r.compiled for t in r.step_us["raw"])),
+        **llguidance_report(ours),
     }
     xgr_results = xgr = None
+    not_reached: list[str] = []
     if args.xgrammar:
         phase = time.perf_counter()
-        workers = args.xgrammar_workers or os.cpu_count() or 1
-        xgr_results, left_out = run_xgrammar_files(files, args.tokenizer, bench.ll.vocab_size, workers,
-                                                   args.xgrammar_budget)
-        reached = {r.name for r in xgr_results}
+        workers = args.xgrammar_workers or usable_cores()
+        xgr_results, not_reached = run_xgrammar_files(files, args.tokenizer, bench.ll.vocab_size, workers,
+                                                      args.xgrammar_budget)
         results["xgrammar"] = {
             "version": importlib.metadata.version("xgrammar"),
             "workers": workers,
             "budget_s": args.xgrammar_budget,
             "seconds": round(time.perf_counter() - phase, 1),
-            "files_reached": len(reached),
-            "files_left_out_by_budget": left_out,
-            "xgrammar": summarize(xgr_results),
-            "llguidance_same_files": summarize([r for r in ours if r.name in reached]),
+            **xgrammar_report(ours, xgr_results, not_reached),
         }
         xgrammar_files = XGrammarFiles(hf_tokenizer, bench.ll.vocab_size, compile_threads=args.threads or 8)
         xgr = xgrammar_files.xgr
@@ -581,27 +635,78 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     results["batch"] = {"xgrammar_pool_compile_s": round(time.perf_counter() - phase, 1),
                         **run_batch(bench, pool, args.batch, args.batch_steps, xgr, args.threads)}
     results["seconds"] = round(time.perf_counter() - start, 1)
+    if args.shard:  # what --merge needs
+        results["per_file"] = {"llguidance": [compact(r) for r in ours],
+                               "xgrammar": [compact(r) for r in xgr_results or []],
+                               "xgrammar_not_reached": not_reached}
     return results
+
+
+def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report over the files of shards 0..N-1: per-file results concatenated, shares and
+    percentiles recomputed from them. The batch-64 runs stay per shard: each replayed its own
+    pool (drawn from its own files) in its own run, so their steps are listed, not pooled."""
+    shards = sorted(shards, key=lambda s: s["shard"]["index"])
+    count = shards[0]["shard"]["of"]
+    if [(s["shard"]["index"], s["shard"]["of"]) for s in shards] != [(k, count) for k in range(count)]:
+        raise SystemExit(f"need shards 0/{count} .. {count - 1}/{count}, each once")
+    for key in ("tokenizer", "vocab_size", "llguidance"):
+        if len({str(s[key]) for s in shards}) > 1:
+            raise SystemExit(f"shards differ in {key}")
+    if len({s["shard"]["files_of_all_shards"] for s in shards}) > 1 or len({"xgrammar" in s for s in shards}) > 1:
+        raise SystemExit("shards differ in their file selection (--every, --limit) or --xgrammar")
+    ours = [FileResult(**r) for s in shards for r in s["per_file"]["llguidance"]]
+    if len({r.name for r in ours}) != len(ours) or len(ours) != shards[0]["shard"]["files_of_all_shards"]:
+        raise SystemExit("the shards' files overlap or miss some")
+    merged: dict[str, Any] = {
+        "merged_from": [{"shard": f"{s['shard']['index']}/{count}", "files": s["files"],
+                         **{key: s[key] for key in ("command", "date", "machine", "seconds", "llguidance_seconds")},
+                         "xgrammar_seconds": s.get("xgrammar", {}).get("seconds")} for s in shards],
+        **{key: shards[0][key] for key in ("date", "machine", "llguidance", "tokenizer", "vocab_size",
+                                           "executor_threads")},
+        "llguidance_seconds": round(sum(s["llguidance_seconds"] for s in shards), 1),
+        "seconds": round(sum(s["seconds"] for s in shards), 1),
+        **llguidance_report(ours),
+    }
+    if "xgrammar" in shards[0]:
+        xgrammar = [FileResult(**r) for s in shards for r in s["per_file"]["xgrammar"]]
+        not_reached = [name for s in shards for name in s["per_file"]["xgrammar_not_reached"]]
+        merged["xgrammar"] = {
+            "version": shards[0]["xgrammar"]["version"],
+            "workers": [s["xgrammar"]["workers"] for s in shards],
+            "budget_s": [s["xgrammar"]["budget_s"] for s in shards],
+            "seconds": round(sum(s["xgrammar"]["seconds"] for s in shards), 1),
+            **xgrammar_report(ours, xgrammar, not_reached),
+        }
+    merged["batch_by_shard"] = [s["batch"] for s in shards]
+    return merged
 
 
 def table(results: dict[str, Any]) -> str:
     """The headline figures, one line each."""
     us = lambda d: f"{d['p50_us']:,.0f} / {d['mean_us']:,.0f} / {d['p99_us']:,.0f} us"  # noqa: E731
     p50_p99 = lambda d: f"{d['p50_us']:,.0f} / {d['p99_us']:,.0f} us"  # noqa: E731
+    shards = f"{len(results['merged_from'])} shards merged, " if "merged_from" in results else ""
     lines = [
-        f"{results['files']} files, {results['seconds']} s, {results['machine']}, vocab {results['vocab_size']:,}",
+        f"{results['files']} files, {shards}{results['seconds']} s, {results['machine']}, "
+        f"vocab {results['vocab_size']:,}",
         f"compiled {results['share_compiled']:.1%}; valid accepted {results['share_valid_accepted_of_compiled']:.2%}"
         f" of compiled; invalid rejected {results['share_invalid_rejected_of_compiled']:.2%}; "
         f"mask mismatches {results['mask_mismatches']}",
         f"step p50/mean/p99: raw {us(results['step']['raw'])}, ours {us(results['step']['ours'])}; "
         f"ours/raw {results['ours_over_raw_step_time']:.3f}",
     ]
-    batch = results["batch"]
-    if "skipped" not in batch:
-        lines.append(f"batch {batch['size']} x {batch['steps']} steps ({batch['sequences']} sequences), p50/mean/p99:")
-        lines += [f"  {name:22s} {us(batch[name])}" for name in batch["next_token_disallowed"]]
+    per_shard = "batch_by_shard" in results
+    for shard, batch in enumerate(results["batch_by_shard"] if per_shard else [results["batch"]]):
+        if "skipped" not in batch:
+            own_pool = f", shard {shard}'s own run and pool (not merged)" if per_shard else ""
+            lines.append(f"batch {batch['size']} x {batch['steps']} steps ({batch['sequences']} sequences"
+                         f"{own_pool}), p50/mean/p99:")
+            lines += [f"  {name:22s} {us(batch[name])}" for name in batch["next_token_disallowed"]]
     if "xgrammar" in results:
         x = results["xgrammar"]
+        lines.append(f"xgrammar reached {x['files_reached']} files; not reached within its budget: "
+                     f"{x['files_not_reached']}")
         for name, s in (("xgrammar", x["xgrammar"]), ("llguidance (same)", x["llguidance_same_files"])):
             lines.append(f"{name}: {s['files']} files, compiled {s['share_compiled']:.1%}, valid accepted "
                          f"{s['share_valid_accepted_of_compiled']:.2%}, invalid rejected "
@@ -626,13 +731,23 @@ def main() -> None:
     parser.add_argument("--xgrammar", action="store_true", help="also run XGrammar on the same files")
     parser.add_argument("--xgrammar-budget", type=float, default=210, help="seconds for XGrammar's files")
     parser.add_argument("--xgrammar-workers", type=int, default=0, help="processes (default: one per core)")
+    parser.add_argument("--shard", type=parse_shard, metavar="K/N",
+                        help="run every N-th file from the K-th, keep per-file values in the JSON (needs --json)")
+    parser.add_argument("--merge", nargs="+", metavar="SHARD_JSON", help="merge shard JSONs 0/N..N-1/N; runs nothing")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    results = asyncio.run(main_async(args))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    if args.shard and not args.json:
+        parser.error("--shard needs --json (the input of --merge)")
+    if args.merge:
+        results = merge_shards([json.loads(Path(name).read_text()) for name in args.merge])
     else:
-        print(json.dumps(results, indent=2))
+        results = asyncio.run(main_async(args))
+    # A shard's JSON holds every step's time: one line, not millions.
+    text = json.dumps(results, separators=(",", ":")) if "per_file" in results else json.dumps(results, indent=2)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    else:
+        print(text)
     print(table(results))
 
 

@@ -186,6 +186,31 @@ def test_spread_order_reaches_every_part_of_the_folder_first():
     assert sorted(order) == list(range(200))
 
 
+def test_shards_split_the_selection_and_merge_into_one_report(tmp_path: Path):
+    for name in "abcdefg":
+        (tmp_path / f"{name}.json").write_text("{}")
+    shards = [maskbench.select_files(tmp_path, every=2, limit=0, shard=(k, 3)) for k in range(3)]
+    assert [total for _, total in shards] == [4, 4, 4]
+    assert sorted(p.name for files, _ in shards for p in files) == ["a.json", "c.json", "e.json", "g.json"]
+
+    def file(name: str, steps: list[float]) -> Any:
+        return maskbench.FileResult(name, compiled=bool(steps), valid=1, valid_accepted=bool(steps),
+                                    first_mask_us={"raw": 9.0, "ours": 10.0} if steps else {},
+                                    step_us={"raw": steps, "ours": [t + 1 for t in steps]} if steps else {})
+
+    parts = [[file("a", [1.0, 2.0]), file("b", [])], [file("c", [30.0, 40.0, 50.0])]]
+    runs = [{"shard": {"index": k, "of": 2, "files_of_all_shards": 3}, "files": len(part), "command": "",
+             "date": "", "machine": "", "seconds": 1.0, "llguidance_seconds": 1.0, "llguidance": "1",
+             "tokenizer": "t", "vocab_size": 9, "executor_threads": 2, "batch": {"skipped": ""},
+             "per_file": {"llguidance": [maskbench.compact(r) for r in part]}} for k, part in enumerate(parts)]
+    merged = maskbench.merge_shards(runs[::-1])
+    assert merged["files"] == 3 and merged["schemas_compiled"] == 2 and merged["valid_accepted"] == 2
+    assert merged["step"] == maskbench.summarize(parts[0] + parts[1])["step"]
+    assert merged["step"]["raw"]["p50_us"] == 30.0  # of the five steps, not an average of the shards' p50s
+    with pytest.raises(SystemExit):
+        maskbench.merge_shards(runs[:1])
+
+
 @pytest.fixture(scope="module")
 def bench(smollm2_tokenizer_dir: Path) -> Any:
     from transformers import AutoTokenizer
