@@ -95,6 +95,7 @@ async def compiling_schemas(client: httpx.AsyncClient, url: str, model: str, cou
             first_ttfts.append(result.ttft)
         elif result.error and result.error.startswith("HTTP 400"):
             refused += 1
+            print(f"refused {name}: {result.error}", flush=True)
         else:
             raise RuntimeError(f"{name}: {result.error or 'no content chunk'}")
     if len(kept) < count:
