@@ -40,11 +40,11 @@ def plain_graph(model: LlamaForCausalLM, cache: KVCache, token_ids: torch.Tensor
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            model.decode(token_ids, positions, key_len, cache)
+            model.decode(token_ids, positions, key_len, cache, cache.block_table[: len(token_ids)])
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits = model.decode(token_ids, positions, key_len, cache)
+            logits = model.decode(token_ids, positions, key_len, cache, cache.block_table[: len(token_ids)])
         return graph, logits
     finally:
         model.fused_ops = True
@@ -75,10 +75,10 @@ def kernel_profile(model: LlamaForCausalLM, cache: KVCache, context: int, top: i
     from torch.profiler import ProfilerActivity, profile
 
     token_ids, positions = step_inputs(1, context)
-    model.decode(token_ids, positions, context, cache)  # warm
+    model.decode(token_ids, positions, context, cache, cache.block_table[:1])  # warm
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        model.decode(token_ids, positions, context, cache)
+        model.decode(token_ids, positions, context, cache, cache.block_table[:1])
         torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     device_us = [e.self_device_time_total for e in kernels]
@@ -110,6 +110,9 @@ def main() -> None:
     kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
     cache = KVCache.for_device(config.num_layers, max(args.batches), config.num_kv_heads, config.head_dim,
                                args.max_model_len, torch.bfloat16, torch.device("cuda"))
+    for row in range(max(args.batches)):  # every row holds its own blocks, as in the engine
+        assert cache.allocate(row, args.context)
+    cache.sync_table()
     graphs = DecodeGraphs(model, cache)
     summary = {"device": device_name, "torch": torch.__version__, "copy_bandwidth_bytes_s": bandwidth,
                "context": args.context, "key_bucket": args.key_bucket,

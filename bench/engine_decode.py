@@ -189,7 +189,8 @@ async def main() -> None:
                                                       max_model_len=args.max_model_len, device="cuda"), model=model)
     await engine.start()
     print(f"weights read per step {weight_bytes / 1e9:.2f} GB, KV {kv_bytes_per_token / 1024:.0f} KiB/token, "
-          f"cache slots {engine.cache.num_slots}", flush=True)
+          f"batch {engine.cache.num_slots}, KV cache {(engine.cache.num_blocks - 1) * engine.cache.block_size} tokens",
+          flush=True)
     results: list[dict] = []
     summary = {"device": device_name, "torch": torch.__version__, "copy_bandwidth_bytes_s": bandwidth,
                "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,

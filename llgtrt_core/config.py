@@ -52,10 +52,11 @@ class RuntimeConfig:
                                                  "included); null: the engine's build value.")
     max_model_len: Optional[int] = option(None, "Prompt + completion tokens of one sequence; null: the model's "
                                                 "context length. Env LLGTRT_MAX_MODEL_LEN.")
-    kv_cache_free_gpu_mem_fraction: float = option(0.9, "TensorRT-LLM: fraction of the free GPU memory the "
-                                                        "KV cache takes after the weights are loaded.")
-    kv_cache_max_tokens: Optional[int] = option(None, "TensorRT-LLM: upper bound on KV-cache tokens; null: "
-                                                      "as many as the memory fraction holds.")
+    kv_cache_free_gpu_mem_fraction: float = option(0.9, "Fraction of the free GPU memory the KV cache takes "
+                                                        "after the weights are loaded.")
+    kv_cache_max_tokens: Optional[int] = option(None, "Upper bound on KV-cache tokens; null: as many as the memory "
+                                                      "fraction holds (PyTorch engine on cpu: the cache grows as "
+                                                      "needed).")
     enable_kv_cache_reuse: bool = option(True, "TensorRT-LLM: reuse the KV cache of shared prompt prefixes.")
     device: Optional[str] = option(None, "PyTorch engine: torch device; null: cuda when available, else cpu. "
                                          "Env LLGTRT_DEVICE.")

@@ -46,6 +46,8 @@ request_success = Counter("llgtrt:request_success", "Finished engine requests, b
                           ["finished_reason"])
 e2e_request_latency = Histogram("llgtrt:e2e_request_latency_seconds", "From submission to the last token.",
                                 buckets=_LATENCY_BUCKETS)
+preemptions = Counter("llgtrt:num_preemptions", "Running sequences whose KV blocks were taken back for others "
+                      "(recomputed later).")
 request_queue_time = Histogram("llgtrt:request_queue_time_seconds", "Time waiting for a batch slot.",
                                buckets=_LATENCY_BUCKETS)
 

@@ -1,7 +1,7 @@
 """The engine's fast path against a plain PyTorch reference forward (no cache, float64, CPU).
 
-A small random Llama runs through the whole engine (continuous batching, KV cache, and on
-CUDA the full-context cache and decode CUDA graphs with padded batch buckets): its greedy
+A small random Llama runs through the whole engine (continuous batching, the paged KV cache
+with preemption, and on CUDA decode CUDA graphs with padded batch buckets): its greedy
 tokens must equal those of a from-scratch forward over the full sequence. CUDA cases skip on
 machines without a GPU; the CPU case keeps the same reference honest in CI.
 """
@@ -106,7 +106,7 @@ def run_engine(engine: TorchEngine, requests: list[GenerationRequest]) -> list[l
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_greedy_tokens_equal_the_reference_forward(model_dir: Path, device: str) -> None:
-    """float32 engine, five requests through three slots: joins, leaves, compaction, and on CUDA
+    """float32 engine, five requests through three rows: joins, leaves, compaction, and on CUDA
     the Triton decode ops under graphs for batch buckets 1, 2 and 3 (padded), one graph per
     bucket whatever the rows' lengths (a prompt of 300 beside short ones)."""
     config = ModelConfig.from_hf(TINY_LLAMA)
@@ -127,6 +127,26 @@ def test_greedy_tokens_equal_the_reference_forward(model_dir: Path, device: str)
         assert {1, 3} <= set(engine.decode_graphs.graphs) <= {1, 2, 3}  # keyed by batch bucket alone
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_preemption_and_chunked_prefill_keep_the_reference_tokens(model_dir: Path, device: str) -> None:
+    """Four requests needing 1,110 positions share a 512-token paged cache, prompts prefilled 32
+    tokens a step: sequences are preempted and recomputed (on CUDA beside graph decode with
+    overlapped steps), and each still gets the reference's greedy tokens."""
+    config = ModelConfig.from_hf(TINY_LLAMA)
+    model = random_model(config, MAX_LEN, torch.float32, torch.device(device), seed=8)
+    weights = {name: t.double().cpu() for name, t in model.checkpoint_tensors().items()}
+    generator = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (200, 150, 180, 100)]
+    engine = TorchEngine(model_dir, TorchEngineConfig(max_batch_size=4, max_model_len=MAX_LEN, device=device,
+                                                      dtype="float32", kv_cache_max_tokens=MAX_LEN,
+                                                      prefill_chunk_tokens=32), model=model)
+    requests = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=120, temperature=0.0))
+                for i, p in enumerate(prompts)]
+    got = run_engine(engine, requests)
+    assert engine.num_preemptions > 0
+    assert got == [reference_greedy(weights, config, p, 120) for p in prompts]
+
+
 @cuda
 def test_bf16_graph_decode_logits_track_the_reference() -> None:
     """bf16 on CUDA with graphs: next-token logits after prefill + decode stay within bf16 error."""
@@ -142,6 +162,9 @@ def test_bf16_graph_decode_logits_track_the_reference() -> None:
     graphs = DecodeGraphs(model, cache)
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (3, 30, 70)]
+    for slot, prompt in enumerate(prompts):
+        assert cache.allocate(slot, len(prompt) + 1)
+    cache.sync_table()
     for slot, prompt in enumerate(prompts):
         model.extend(torch.tensor(prompt, device=device), cache, slot)
     next_tokens = [7, 8, 9]
@@ -177,8 +200,11 @@ def test_triton_decode_equals_the_torch_ops_for_a_qwen3_shape() -> None:
     for cache, fused in zip(caches, (True, False)):
         model.fused_ops = fused
         for slot, prompt in enumerate(prompts):
+            assert cache.allocate(slot, len(prompt) + 1)
+        cache.sync_table()
+        for slot, prompt in enumerate(prompts):
             model.extend(torch.tensor(prompt, device=device), cache, slot)
-        logits.append(model.decode(token_ids, positions, int(positions.max()) + 1, cache))
+        logits.append(model.decode(token_ids, positions, int(positions.max()) + 1, cache, cache.block_table[:3]))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
     for fused_layer, plain_layer in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
         torch.testing.assert_close(fused_layer, plain_layer, rtol=1e-5, atol=1e-5)

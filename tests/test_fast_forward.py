@@ -105,13 +105,16 @@ def test_extend_matches_a_prefill_of_the_same_tokens(stored_model_dir: Path, tok
     model = load_model(stored_model_dir, 256, torch.float32, torch.device("cpu"))
     config = model.config
     cache = KVCache(config.num_layers, 2, config.num_kv_heads, config.head_dim, 256, torch.float32,
-                    torch.device("cpu"))
+                    torch.device("cpu"), block_size=4)
     tokens = torch.tensor(chat_prompt(tokenizer, "Name a city.") + tokenizer.encode('{"city":"Paris"}'))
+    assert cache.allocate(0, len(tokens)) and cache.allocate(1, len(tokens))
+    cache.sync_table()
     expected = model.extend(tokens, cache, slot=0)
     model.extend(tokens[:-5], cache, slot=1)
     extended = model.extend(tokens[-5:], cache, slot=1, start=len(tokens) - 5)
     assert torch.allclose(extended, expected, atol=1e-4), (extended - expected).abs().max()
-    assert torch.allclose(cache.keys[3][1, :, :len(tokens)], cache.keys[3][0, :, :len(tokens)], atol=1e-4)
+    for got, want in zip(cache.read(3, 1, len(tokens)), cache.read(3, 0, len(tokens))):
+        assert torch.allclose(got, want, atol=1e-4)
 
 
 def test_extend_batch_matches_one_extend_per_slot(stored_model_dir: Path, tokenizer: Tokenizer) -> None:
@@ -120,17 +123,21 @@ def test_extend_batch_matches_one_extend_per_slot(stored_model_dir: Path, tokeni
     model = load_model(stored_model_dir, 256, torch.float32, torch.device("cpu"))
     config = model.config
     caches = [KVCache(config.num_layers, 3, config.num_kv_heads, config.head_dim, 256, torch.float32,
-                      torch.device("cpu")) for _ in range(2)]
+                      torch.device("cpu"), block_size=4) for _ in range(2)]
     first = torch.tensor(chat_prompt(tokenizer, "Name a city."))
     second = torch.tensor(chat_prompt(tokenizer, "Write a haiku about the sea."))
     for cache in caches:
-        model.extend(second[:10], cache, slot=2)  # slot 2 continues from position 10
+        assert cache.allocate(0, len(first)) and cache.allocate(1, 1) and cache.allocate(2, len(second))
+        cache.sync_table()
+        model.extend(second[:10], cache, slot=2)  # row 2 continues from position 10
     one_by_one = torch.stack([model.extend(first, caches[0], slot=0), model.extend(second[10:], caches[0], 2, 10),
                               model.extend(first[:1], caches[0], slot=1)])
     segments = [Segment(0, 0, len(first)), Segment(2, 10, len(second) - 10), Segment(1, 0, 1)]
     batched = model.extend_batch(torch.cat([first, second[10:], first[:1]]), caches[1], segments)
     assert torch.allclose(batched, one_by_one, atol=1e-4), (batched - one_by_one).abs().max()
-    assert torch.allclose(caches[1].keys[5][:, :, :len(second)], caches[0].keys[5][:, :, :len(second)], atol=1e-4)
+    for row, length in enumerate((len(first), 1, len(second))):
+        for got, want in zip(caches[1].read(5, row, length), caches[0].read(5, row, length)):
+            assert torch.allclose(got, want, atol=1e-4)
 
 
 def test_same_greedy_output_in_fewer_steps(stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer) -> None:

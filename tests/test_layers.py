@@ -4,8 +4,9 @@ On CUDA: float32 and bfloat16, real shapes. Without CUDA, the last test reruns t
 subprocess under TRITON_INTERPRET=1, which runs the kernels on CPU tensors in numpy: tiny
 shapes and float32 only there (the interpreter rounds float32 to bfloat16 toward zero and
 multiplies bfloat16 `tl.dot` operands as their raw bits, so bfloat16 is checked on CUDA only).
-Cache slots and positions a kernel must not read hold NaN, and on CUDA the allocator's free
-blocks are filled with NaN first, so outputs a kernel fails to write show up.
+The KV cache is paged as in the engine (`llgtrt_core.engine.kv_cache`), each row's blocks
+shuffled across the pool. Cache positions a kernel must not read hold NaN, and on CUDA the
+allocator's free blocks are filled with NaN first, so outputs a kernel fails to write show up.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ else:
     DEVICE, DTYPES, BATCHES, HIDDENS = "cuda", [torch.float32, torch.bfloat16], [1, 3, 64], [576, 4096]
     HEAD_DIMS, KV_HEADS, LENGTHS, CAPACITY = [64, 128], 8, [1, 17, 300, 1000], 1024
 GROUPS = [1, 4]
+BLOCK_SIZE = 16
 
 kernels = pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(), reason="needs CUDA or the interpreter")
 
@@ -52,6 +54,23 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
         assert relative < 2e-2, float(relative)
     else:
         torch.testing.assert_close(actual, expected, rtol=2e-5, atol=2e-5)
+
+
+def paged_table(rows: int, generator: torch.Generator) -> torch.Tensor:
+    """(rows, CAPACITY / BLOCK_SIZE) block ids: every row its own blocks, in shuffled order, from
+    a pool whose block 0 (the scratch block) nobody owns."""
+    per_row = CAPACITY // BLOCK_SIZE
+    return (torch.randperm(rows * per_row, generator=generator, device=DEVICE) + 1).view(rows, per_row)
+
+
+def to_pages(per_row: torch.Tensor, table: torch.Tensor, scratch: float) -> torch.Tensor:
+    """A cache laid out (rows, kv_heads, CAPACITY, head_dim), stored in the blocks `table` lists;
+    the scratch block holds `scratch`."""
+    rows, kv_heads, _, head_dim = per_row.shape
+    tiles = per_row.view(rows, kv_heads, -1, BLOCK_SIZE, head_dim).transpose(1, 2).flatten(0, 1)
+    paged = per_row.new_full((rows * table.shape[1] + 1, kv_heads, BLOCK_SIZE, head_dim), scratch)
+    paged[table.flatten()] = tiles
+    return paged
 
 
 def rope_tables(head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,18 +128,20 @@ def test_rope_write_kv(dtype: torch.dtype, batch: int, head_dim: int, group: int
     if qk_norm:
         norms = tuple(torch.rand(head_dim, generator=generator, device=DEVICE, dtype=dtype) + 0.5 for _ in range(2))
         norms += (1e-6,)
-    cache_shape = (batch + 1, KV_HEADS, CAPACITY, head_dim)
+    table = paged_table(batch, generator)
+    cache_shape = (table.numel() + 1, KV_HEADS, BLOCK_SIZE, head_dim)
     keys, values = (torch.full(cache_shape, float("nan"), dtype=dtype, device=DEVICE) for _ in range(2))
     expected_keys, expected_values = keys.clone(), values.clone()
-    expected_q = rotary.rope_write_kv(qkv, positions, cos, sin, expected_keys, expected_values, *norms)
+    expected_q = rotary.rope_write_kv(qkv, positions, cos, sin, expected_keys, expected_values, table, *norms)
     poison_allocator()
-    q = triton_ops()[3].rope_write_kv(qkv, positions, cos, sin, keys, values, *norms)
+    q = triton_ops()[3].rope_write_kv(qkv, positions, cos, sin, keys, values, table, *norms)
     assert_matches(q, expected_q)
-    slots = torch.arange(batch, device=DEVICE)
-    assert_matches(keys[slots, :, positions], expected_keys[slots, :, positions])
-    assert torch.equal(values[slots, :, positions], expected_values[slots, :, positions])  # copied as is
+    blocks = table[torch.arange(batch, device=DEVICE), positions // BLOCK_SIZE]
+    offsets = positions % BLOCK_SIZE
+    assert_matches(keys[blocks, :, offsets], expected_keys[blocks, :, offsets])
+    assert torch.equal(values[blocks, :, offsets], expected_values[blocks, :, offsets])  # copied as is
     for cache in (keys, values):  # nothing else written
-        cache[slots, :, positions] = float("nan")
+        cache[blocks, :, offsets] = float("nan")
         assert cache.isnan().all()
 
 
@@ -137,15 +158,16 @@ def test_decode_attention(dtype: torch.dtype, batch: int, head_dim: int, group: 
     positions = torch.randint(0, length, (batch,), generator=generator, device=DEVICE)
     positions[0] = length - 1
     q = torch.randn(batch, heads, head_dim, generator=generator, device=DEVICE, dtype=dtype)
-    cache_shape = (batch + 1, KV_HEADS, CAPACITY, head_dim)
+    cache_shape = (batch, KV_HEADS, CAPACITY, head_dim)
     keys, values = (torch.randn(cache_shape, generator=generator, device=DEVICE, dtype=dtype) for _ in range(2))
-    lengths = torch.cat((positions + 1, positions.new_zeros(1)))  # the spare last slot: nothing to read
-    beyond = (torch.arange(CAPACITY, device=DEVICE) >= lengths[:, None])[:, None, :, None]  # (slots, 1, capacity, 1)
-    clean_keys, clean_values = keys.masked_fill(beyond, 0.0), values.masked_fill(beyond, 0.0)
-    poisoned_keys, poisoned_values = keys.masked_fill(beyond, float("nan")), values.masked_fill(beyond, float("nan"))
-    expected = attention.decode_attention(q, clean_keys, clean_values, positions, length)
+    beyond = (torch.arange(CAPACITY, device=DEVICE) > positions[:, None])[:, None, :, None]  # (rows, 1, capacity, 1)
+    table = paged_table(batch, generator)
+    clean_keys, clean_values = (to_pages(t.masked_fill(beyond, 0.0), table, 0.0) for t in (keys, values))
+    poisoned_keys, poisoned_values = (to_pages(t.masked_fill(beyond, float("nan")), table, float("nan"))
+                                      for t in (keys, values))
+    expected = attention.decode_attention(q, clean_keys, clean_values, table, positions, length)
     poison_allocator()
-    got = triton_ops()[1].decode_attention(q, poisoned_keys, poisoned_values, positions, length)
+    got = triton_ops()[1].decode_attention(q, poisoned_keys, poisoned_values, table, positions, length)
     assert not got.isnan().any()
     assert_matches(got, expected)
 

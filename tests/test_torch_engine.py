@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -36,14 +37,17 @@ def test_logits_match_transformers(stored_model_dir: Path, tokenizer) -> None:
     model = load_model(stored_model_dir, 512, torch.float32, torch.device("cpu"))
     config = model.config
     cache = KVCache(config.num_layers, 2, config.num_kv_heads, config.head_dim, 512, torch.float32,
-                    torch.device("cpu"))
+                    torch.device("cpu"), block_size=4)
     prompt = chat_prompt(tokenizer, "What is the capital of France?")
+    assert cache.allocate(0, 1) and cache.allocate(1, len(prompt) + 6)
+    cache.sync_table()
     generated: list[int] = []
     logits = model.extend(torch.tensor(prompt), cache, slot=1)
-    for _ in range(6):  # greedy decode in slot 1 while slot 0 holds garbage: slots must not leak
+    for _ in range(6):  # greedy decode in row 1 while row 0 holds garbage: rows must not leak
         generated.append(int(logits.argmax()))
         position = len(prompt) + len(generated) - 1
-        logits = model.decode(torch.tensor([0, generated[-1]]), torch.tensor([0, position]), position + 1, cache)[1]
+        logits = model.decode(torch.tensor([0, generated[-1]]), torch.tensor([0, position]), position + 1, cache,
+                              cache.block_table[:2])[1]
     with torch.no_grad():
         expected = reference(torch.tensor([prompt + generated])).logits[0, -1]
     assert torch.allclose(logits, expected, atol=1e-3), (logits - expected).abs().max()
@@ -113,6 +117,7 @@ def test_abort_frees_the_slot_and_cache_grows(engine_factory, tokenizer, overlap
         engine = engine_factory(max_batch_size=1, overlap_steps=overlap_steps)
         await engine.start()
         try:
+            initial_blocks = engine.cache.num_blocks
             long = GenerationRequest("long", chat_prompt(tokenizer, "Tell me a long story."),
                                      SamplingParams(max_tokens=400, temperature=0.0))
             stream = engine.generate(long)
@@ -120,15 +125,56 @@ def test_abort_frees_the_slot_and_cache_grows(engine_factory, tokenizer, overlap
                 break
             await stream.aclose()  # the consumer goes away: the engine must abort it
             # With one slot, this only runs if the aborted request left it.
-            short = GenerationRequest("short", list(range(300, 600)), SamplingParams(max_tokens=2, temperature=0.0))
-            tokens, reason = await asyncio.wait_for(run(engine, short), timeout=60)
-            return tokens, reason, engine.num_active, engine.cache.capacity
+            short = GenerationRequest("short", list(range(300, 1400)), SamplingParams(max_tokens=2, temperature=0.0))
+            tokens, reason = await asyncio.wait_for(run(engine, short), timeout=120)
+            return tokens, reason, engine.num_active, initial_blocks, engine.cache
         finally:
             await engine.shutdown()
 
-    tokens, reason, active, capacity = asyncio.run(scenario())
+    tokens, reason, active, initial_blocks, cache = asyncio.run(scenario())
     assert (len(tokens), reason, active) == (2, "length", 0)
-    assert capacity >= 302  # grew past its initial 256 positions for the 300-token prompt
+    # The pool grew for the 1,100-token prompt, and every block came back.
+    assert initial_blocks * cache.block_size < 1100 <= (cache.num_blocks - 1) * cache.block_size
+    assert cache.usage == 0
+
+
+@pytest.mark.parametrize(("overlap_steps", "chunk"), [(False, None), (True, 8)])
+def test_preempted_sequences_give_the_tokens_they_give_alone(engine_factory, tokenizer, overlap_steps: bool,
+                                                             chunk: Optional[int]) -> None:
+    """Four requests of ~100 positions each share a KV cache of 192 tokens: as they grow, the
+    newest are preempted and later recomputed. Each still gets exactly the tokens it gets alone
+    (none lost, none sent twice), penalties and seeded draws included."""
+
+    def request(i: int, question: str, sampling: dict) -> GenerationRequest:
+        return GenerationRequest(f"r{i}", chat_prompt(tokenizer, question),
+                                 SamplingParams(max_tokens=64, stop_token_ids=EOS, **sampling))
+
+    specs = [
+        ("Tell me a long story about a dragon.", {"temperature": 0.0}),
+        ("Write a poem about the sea.", {"temperature": 0.8, "seed": 3, "frequency_penalty": 0.5}),
+        ("Explain how rain forms.", {"temperature": 0.0, "repetition_penalty": 1.2, "logprobs": 2}),
+        ("List ten fruits.", {"temperature": 0.7, "top_p": 0.9, "seed": 8, "prompt_logprobs": 1}),
+    ]
+
+    async def scenario():
+        engine = engine_factory(max_batch_size=4, max_model_len=192, kv_cache_max_tokens=192,
+                                overlap_steps=overlap_steps, prefill_chunk_tokens=chunk)
+        await engine.start()
+        try:
+            together = await asyncio.gather(*(run(engine, request(i, *s)) for i, s in enumerate(specs)))
+            preemptions = engine.num_preemptions
+            alone = [await run(engine, request(i, *s)) for i, s in enumerate(specs)]
+            return together, alone, preemptions, engine.num_preemptions, engine.cache.usage
+        finally:
+            await engine.shutdown()
+
+    together, alone, preemptions, preemptions_after, usage = asyncio.run(scenario())
+    assert preemptions > 0 and preemptions_after == preemptions  # alone, each fits
+    assert together == alone
+    held = sum(len(request(i, *spec).prompt_token_ids) + len(tokens) for i, (spec, (tokens, _)) in
+               enumerate(zip(specs, together)))
+    assert held > 192 * 1.5, held  # far more than the cache: they could not all run at once
+    assert usage == 0
 
 
 def test_prompts_split_over_prefill_passes_match_running_alone(engine_factory, tokenizer, monkeypatch) -> None:

@@ -3,10 +3,10 @@
 A graph fixes its shapes, so steps are padded to a batch bucket: the next size in 1, 2, 4, 8,
 16, 32, 48, 64, ... (steps of 32 past 256 slots; capped at the cache's slots). Key lengths need no bucket: the decode
 ops read each row's length (its position + 1) on the device, so one graph per batch bucket
-serves every length. Padding rows feed token 0 at position 0 of free slots (slots past the
-running ones hold no sequence), which no running row attends to, so padding changes no running
-row's result. Graphs are captured lazily, the first time a bucket is seen, and share one
-memory pool.
+serves every length. The graph reads its own copy of the block table, refreshed each step:
+padding rows feed token 0 at position 0 with a table row of scratch blocks
+(`kv_cache.SCRATCH_BLOCK`), which no sequence owns, so padding changes nothing a sequence
+reads. Graphs are captured lazily, the first time a bucket is seen, and share one memory pool.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import bisect
 
 import torch
 
-from llgtrt_core.engine.kv_cache import KVCache
+from llgtrt_core.engine.kv_cache import SCRATCH_BLOCK, KVCache
 from llgtrt_core.models.llama import LlamaForCausalLM
 
 
@@ -26,26 +26,29 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache):
-        if cache.capacity != cache.max_len:
-            raise ValueError("CUDA graphs need a cache allocated for the whole context (KVCache.for_device)")
+        if cache.growable:
+            raise ValueError("CUDA graphs need a KV cache allocated up front (KVCache.for_device)")
         self.model = model
         self.cache = cache
         self.buckets = batch_buckets(cache.num_slots)
         device = cache.keys[0].device
         self.token_ids = torch.zeros(cache.num_slots, dtype=torch.long, device=device)
         self.positions = torch.zeros(cache.num_slots, dtype=torch.long, device=device)
+        self.block_table = torch.full_like(cache.block_table[: cache.num_slots], SCRATCH_BLOCK)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by batch bucket
         self.pool = torch.cuda.graph_pool_handle()
 
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """LlamaForCausalLM.decode over the first n slots, without its key_len: the graph's bound is
-        the whole cache (see _capture). Returns logits (n, vocab)."""
+        """LlamaForCausalLM.decode over the cache's first n rows, without its key_len: the graph's
+        bound is the whole context (see _capture). Returns logits (n, vocab)."""
         n = token_ids.shape[0]
         batch = self.buckets[bisect.bisect_left(self.buckets, n)]
         self.token_ids[:n].copy_(token_ids)
         self.positions[:n].copy_(positions)
+        self.block_table[:n].copy_(self.cache.block_table[:n])
         self.token_ids[n:batch].zero_()
         self.positions[n:batch].zero_()
+        self.block_table[n:batch].fill_(SCRATCH_BLOCK)
         if batch not in self.graphs:
             self.graphs[batch] = self._capture(batch)
         graph, logits = self.graphs[batch]
@@ -54,19 +57,19 @@ class DecodeGraphs:
 
     def _capture(self, batch: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Run the step once eagerly (compiles the Triton kernels, warms up the allocator), then
-        record it. The key bound is the cache's capacity, right for every step the graph replays
+        record it. The key bound is the context length, right for every step the graph replays
         (the Triton ops ignore it; the torch ops, used without triton, mask over it).
 
         The static inputs already hold this step's real tokens, so the eager run and the
         replay that follows write the same keys and values: capturing changes no state.
         """
-        token_ids, positions = self.token_ids[:batch], self.positions[:batch]
+        token_ids, positions, block_table = self.token_ids[:batch], self.positions[:batch], self.block_table[:batch]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.model.decode(token_ids, positions, self.cache.capacity, self.cache)
+            self.model.decode(token_ids, positions, self.cache.max_len, self.cache, block_table)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model.decode(token_ids, positions, self.cache.capacity, self.cache)
+            logits = self.model.decode(token_ids, positions, self.cache.max_len, self.cache, block_table)
         return graph, logits

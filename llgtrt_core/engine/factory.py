@@ -28,7 +28,9 @@ def create_engine(
 
         config = TorchEngineConfig(max_batch_size=runtime.max_batch_size, max_model_len=runtime.max_model_len,
                                    device=runtime.device, dtype=runtime.dtype, cpu_threads=runtime.cpu_threads,
-                                   prefill_chunk_tokens=runtime.prefill_chunk_tokens)
+                                   prefill_chunk_tokens=runtime.prefill_chunk_tokens,
+                                   kv_cache_free_gpu_memory_fraction=runtime.kv_cache_free_gpu_mem_fraction,
+                                   kv_cache_max_tokens=runtime.kv_cache_max_tokens)
         return TorchEngine(model_dir, config, post_processor)
     if kind in TENSORRT_LLM_KINDS:
         from llgtrt_core.engine.trtllm_engine import TrtLlmEngine, config_for_stored_model

@@ -1,4 +1,4 @@
-"""The embedded PyTorch engine: continuous batching over a slot KV cache, CPU or CUDA.
+"""The embedded PyTorch engine: continuous batching over a paged KV cache, CPU or CUDA.
 
 One background thread owns the model and runs steps; the event loop only submits, aborts
 and reads deltas. A step: admit waiting requests, start the constraint post-processor's host
@@ -6,19 +6,24 @@ half (commit last step's tokens, fill every constrained row's mask) on a worker 
 forward pass meanwhile (decode one token for every running sequence, prefill the admitted
 prompts), join the fill, upload the masks and sample: the fused mask + temperature + draw kernel
 for rows that need nothing more, the general sampler for the others. Each request then gets its
-token. Finished or aborted sequences leave between steps and the last slot moves into the hole,
-so running sequences always fill slots 0..n-1.
+token. Finished or aborted sequences leave between steps and the last row moves into the hole,
+so running sequences always fill cache rows 0..n-1.
+
+KV memory is handed out in blocks as sequences grow (`kv_cache.py`). A waiting request is
+admitted when its prompt's blocks are free, with one block to spare per running sequence; when a
+running sequence needs a block and none is free, the most recently admitted sequence is
+preempted: its blocks are freed and it waits at the head of the queue to be recomputed (its
+prompt and every token it has emitted prefilled again; nothing is emitted twice).
 
 With `prefill_chunk_tokens` set, a step prefills at most that many prompt tokens: a longer
 prompt is prefilled a chunk per step (`LlamaForCausalLM.extend_batch` from where the last chunk
 ended) while the running rows keep decoding. That prompt is the only one in progress; it sits
-in slot n (right after the running rows), moves down with them when one leaves, and joins them
-once its last chunk has run.
+in the cache's prefill row, and joins the running rows once its last chunk is planned.
 
 When a grammar forces a run of tokens after the sampled one (fast-forward), they are emitted
 with it and fed in the next step's forward pass without being sampled (`extend_batch`); under CUDA
 graphs only the run before the first sampled token is (it rides on the prefill). On CUDA the
-cache holds the whole context for as many slots as fit, and decode replays CUDA graphs
+cache's blocks are allocated up front from free memory, and decode replays CUDA graphs
 (`decode_graphs.py`); the only host sync of a step is reading the sampled tokens.
 
 Overlapped steps (`overlap_steps`, on by default on CUDA): once a step's draw is queued, the
@@ -26,13 +31,13 @@ next step's decode of every running row is queued too, fed the sampled tokens on
 before the host reads them. The host's per-step work (handing out tokens, the grammar commits,
 the next mask fill) then runs while the GPU decodes instead of between decodes. A row that
 turns out finished was decoded once for nothing; tokens a grammar forces after the sampled one
-are fed by `extend_batch` in the next step. Not while a prompt is part-prefilled (decode graphs write
-padding into its slot).
+are fed by `extend_batch` in the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import os
@@ -63,7 +68,7 @@ from llgtrt_core.engine.interface import (
     next_delta,
 )
 from llgtrt_core.engine.decode_graphs import DecodeGraphs
-from llgtrt_core.engine.kv_cache import KVCache
+from llgtrt_core.engine.kv_cache import CUDA_MEMORY_FRACTION, KVCache
 from llgtrt_core.engine.sampler import BatchSampler, token_logprobs
 from llgtrt_core.kernels import int64_to_device
 from llgtrt_core.models.llama import LlamaForCausalLM, Segment
@@ -82,6 +87,8 @@ class TorchEngineConfig:
     cuda_graphs: bool = True  # decode under CUDA graphs (cuda only)
     fast_forward: bool = True  # feed the tokens a grammar forces in one forward pass, unsampled
     prefill_chunk_tokens: Optional[int] = None  # prompt tokens prefilled per step; None or 0: whole prompts
+    kv_cache_free_gpu_memory_fraction: float = CUDA_MEMORY_FRACTION  # of the memory free once the weights are loaded
+    kv_cache_max_tokens: Optional[int] = None  # caps the KV cache; on cpu it fixes its size (else it grows)
     # Queue the next decode before reading a step's tokens (see the module doc); default: on cuda,
     # where the host work then hides behind the GPU's. On cpu nothing runs ahead, so it only costs.
     overlap_steps: Optional[bool] = None
@@ -112,7 +119,9 @@ class _Sequence:
     emit: Callable[[TokenDelta], None]  # engine thread: queues the delta for the step's delivery
     generator: torch.Generator
     length: int = 0  # positions held in the KV cache
-    prefill_tokens: list[int] = field(default_factory=list)  # prompt + forced tokens, until prefilled
+    token_ids: list[int] = field(default_factory=list)  # prompt + emitted tokens, once admitted
+    prefill_tokens: list[int] = field(default_factory=list)  # prompt + forced (or emitted) tokens, until prefilled
+    admission: int = -1  # when it was last admitted: preemption takes the newest
     num_generated: int = 0
     pending_tokens: list[int] = field(default_factory=list)  # sampled (then forced) tokens not in the cache yet
     uncommitted_token: Optional[int] = None  # sampled last step, not yet seen by the constraint
@@ -127,10 +136,10 @@ class _Sequence:
 
 @dataclass(frozen=True)
 class _Chunk:
-    """Prompt positions seq.length..end-1 prefilled into `slot` this step."""
+    """Prompt positions seq.length..end-1 prefilled into cache row `row` this step."""
 
     seq: _Sequence
-    slot: int
+    row: int
     end: int
     last: bool  # the prompt is prefilled to its end: the sequence samples this step
 
@@ -163,8 +172,9 @@ class TorchEngine(Engine):
         self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, TokenDelta]] = []
         self._active: set[str] = set()
         self._waiting: deque[_Sequence] = deque()
-        self._running: list[_Sequence] = []  # index i occupies cache slot i
-        self._prefilling: Optional[_Sequence] = None  # a prompt part-prefilled, in slot len(_running)
+        self._running: list[_Sequence] = []  # index i occupies cache row i
+        self._prefilling: Optional[_Sequence] = None  # a prompt part-prefilled, in the cache's prefill row
+        self._admissions = itertools.count()
         self.overlap_steps = config.resolve_overlap_steps(self.device)  # read every step: benchmarks switch it
         # Logits of the decode queued ahead for the running rows (row i: slot i), fed their sampled
         # tokens on the device; None when the next step must decode itself.
@@ -178,6 +188,7 @@ class TorchEngine(Engine):
         self._staged = post_processor if isinstance(post_processor, StagedPostProcessor) else None
         self._fill_pool: Optional[ThreadPoolExecutor] = None  # runs the staged post-processor's fill
         self.num_steps = 0  # forward steps run: what fast-forward saves
+        self.num_preemptions = 0
 
     # ---- event-loop side -------------------------------------------------------------
 
@@ -193,15 +204,17 @@ class TorchEngine(Engine):
                                                  self.device)
         cfg = self.model.config
         self.cache = KVCache.for_device(cfg.num_layers, self.config.max_batch_size, cfg.num_kv_heads, cfg.head_dim,
-                                        self.max_model_len, self.dtype, self.device)
+                                        self.max_model_len, self.dtype, self.device,
+                                        self.config.kv_cache_free_gpu_memory_fraction, self.config.kv_cache_max_tokens)
         if self.device.type == "cuda" and self.config.cuda_graphs:
             self.decode_graphs = DecodeGraphs(self.model, self.cache)
         if self._staged is not None:
             self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
         self._thread.start()
-        logger.info("torch engine ready: %s on %s, batch %d, context %d",
-                    cfg.architecture, self.device, self.cache.num_slots, self.max_model_len)
+        logger.info("torch engine ready: %s on %s, batch %d, context %d, KV cache %s tokens",
+                    cfg.architecture, self.device, self.cache.num_slots, self.max_model_len,
+                    "growing" if self.cache.growable else (self.cache.num_blocks - 1) * self.cache.block_size)
 
     async def shutdown(self) -> None:
         if self._thread is None:
@@ -278,6 +291,7 @@ class TorchEngine(Engine):
                 self._running.clear()
                 self._prefilling = None
                 self._ahead = None
+                self.cache.reset()
             self._record_state()
             self._deliver()
         for seq in [*self._in_slots(), *self._waiting]:
@@ -308,13 +322,11 @@ class TorchEngine(Engine):
         return not self._running and not self._waiting and self._prefilling is None
 
     def _in_slots(self) -> list[_Sequence]:
-        """The sequences holding a cache slot: running ones, then the prompt in progress."""
+        """The sequences holding a cache row: running ones, then the prompt in progress."""
         return self._running + ([self._prefilling] if self._prefilling is not None else [])
 
     def _record_state(self) -> None:
-        held = sum(seq.length for seq in self._in_slots())
-        metrics.record_engine_state(len(self._running), len(self._waiting),
-                                    held / (self.cache.num_slots * self.max_model_len))
+        metrics.record_engine_state(len(self._running), len(self._waiting), self.cache.usage)
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued adds and aborts; False once shutdown was asked for."""
@@ -334,7 +346,8 @@ class TorchEngine(Engine):
     def _abort_now(self, request_id: str) -> None:
         if self._prefilling is not None and self._prefilling.request.request_id == request_id:
             self._prefilling.emit(TokenDelta(finish_reason="abort"))
-            self._prefilling = None  # its slot, the last one held, is simply free again
+            self._prefilling = None
+            self.cache.free(self.cache.prefill_row)
             return
         for seq in self._waiting:
             if seq.request.request_id == request_id:
@@ -349,11 +362,12 @@ class TorchEngine(Engine):
 
     def _step(self) -> None:
         self.num_steps += 1
+        self._make_room()
         num_decoding = len(self._running)
-        # Decode graphs pad the batch with rows writing position 0 of the slots after the running
-        # ones, where a part-prefilled prompt sits: while one does, decode runs eagerly.
-        graphs = self._prefilling is None
         chunks = self._plan_prefill()
+        if not chunks and not num_decoding:  # a prompt in progress waits for blocks
+            return
+        self.cache.sync_table()
         # Logits rows: the running sequences, then the prompts prefilled to their end this step.
         rows = [ConstrainedRow(seq.request.constraint, index, seq.uncommitted_token)
                 for index, seq in enumerate(self._running) if seq.request.constraint is not None]
@@ -361,7 +375,7 @@ class TorchEngine(Engine):
         # the GIL); nothing else commits to a matcher until it is joined.
         fill = self._fill_pool.submit(self._staged.fill, rows) if rows and self._fill_pool is not None else None
         try:
-            logits = self._forward(num_decoding, graphs, chunks)
+            logits = self._forward(num_decoding, chunks)
         finally:
             fill_error = _wait(fill)
         if logits is None:  # only part of a prompt ran: nothing to sample
@@ -377,9 +391,9 @@ class TorchEngine(Engine):
         for row in rows:
             self._running[row.row].uncommitted_token = None
         pending = self.sampler.sample_async(logits, raw_logprobs, masks)
-        fed = self.overlap_steps and self._prefilling is None
+        fed = self.overlap_steps
         if fed:  # the GPU decodes the sampled tokens while the host reads and hands them out
-            self._ahead = self._decode_tokens(self._running, pending.tokens, graphs=True)
+            self._ahead = self._decode_tokens(self._running, pending.tokens)
         sampled = pending.result()
         failed = {row.row for row in rows} if fill_error is not None else set()
         finished: list[int] = []
@@ -397,37 +411,83 @@ class TorchEngine(Engine):
     def _stream(self) -> Optional[torch.cuda.Stream]:
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
+    def _make_room(self) -> None:
+        """Blocks for every position the running rows may write this step: their pending tokens
+        and the decode queued ahead of the next. When the pool runs dry, the newest sequence is
+        preempted until the rest fit (one always does: the pool holds a whole context)."""
+        row = 0
+        while row < len(self._running):
+            seq = self._running[row]
+            if self.cache.allocate(row, seq.length + len(seq.pending_tokens) + 1):
+                row += 1
+                continue
+            self._preempt(self._prefilling or max(self._running, key=lambda s: s.admission))
+            row = 0
+
+    def _preempt(self, seq: _Sequence) -> None:
+        """Free `seq`'s blocks and queue it first, to prefill again what it held (recompute)."""
+        if seq is self._prefilling:
+            self._prefilling = None
+            self.cache.free(self.cache.prefill_row)
+        else:
+            self._remove(self._running.index(seq))
+            seq.prefill_tokens = list(seq.token_ids)  # all emitted: nothing to send once prefilled
+            seq.pending_tokens = []
+        seq.length = 0
+        if seq.prompt_logprobs is not None:  # its prompt's scoring starts over too
+            seq.prompt_logprobs = [None]
+        self._waiting.appendleft(seq)
+        self.num_preemptions += 1
+        metrics.preemptions.inc()
+
     def _plan_prefill(self) -> list[_Chunk]:
-        """Admit waiting requests and pick this step's prompt chunks, in slot order: whole prompts
-        while the token budget lasts, then the start of the next one, which stays in progress
-        (nothing else is admitted until it is done). A prompt prefilled to its end this step joins
-        the running sequences now, so the step's constrained rows are known before the forward."""
+        """Admit waiting requests and pick this step's prompt chunks, in row order: whole prompts
+        while the token budget and the free blocks last, then the start of the next one, which
+        stays in progress in the prefill row (nothing else is admitted until it is done). A prompt
+        prefilled to its end this step joins the running sequences now, so the step's constrained
+        rows are known before the forward."""
         budget = self.config.prefill_chunk_tokens or math.inf
         chunks: list[_Chunk] = []
         while budget > 0:
             slot = len(self._running)
             if self._prefilling is not None:
                 seq = self._prefilling
-            elif self._waiting and slot < self.cache.num_slots:
+            elif self._waiting and slot < self.cache.num_slots and self._fits(self._waiting[0]):
                 seq = self._waiting.popleft()
-                self._admit(seq, slot)
+                self._admit(seq)
             else:
                 break
             end = min(len(seq.prefill_tokens), seq.length + budget)
+            last = end == len(seq.prefill_tokens)
+            # A sequence that samples this step also needs its next position (the decode queued ahead).
+            if not self.cache.allocate(self.cache.prefill_row, end + last):
+                self._prefilling = seq  # it waits for blocks; running sequences go on
+                break
             budget -= end - seq.length
-            chunks.append(_Chunk(seq, slot, end, last=end == len(seq.prefill_tokens)))
-            if chunks[-1].last:
-                self._running.append(seq)
-                self._prefilling = None
+            if last:
+                self.cache.move(self.cache.prefill_row, slot)
+                self._join(seq, slot)
+                chunks.append(_Chunk(seq, slot, end, last=True))
             else:
                 self._prefilling = seq
+                chunks.append(_Chunk(seq, self.cache.prefill_row, end, last=False))
                 break
         return chunks
 
-    def _admit(self, seq: _Sequence, slot: int) -> None:
-        """The tokens to prefill: the prompt, followed by the tokens the grammar forces before
-        anything is sampled (a JSON schema's `{"name`), emitted as the first delta once prefilled;
-        one token is left to sample."""
+    def _fits(self, seq: _Sequence) -> bool:
+        """Whether the blocks free now hold `seq`'s prompt, with one to spare per running sequence
+        (so they do not need to preempt it at once)."""
+        tokens = len(seq.prefill_tokens or seq.request.prompt_token_ids) + 1
+        return self.cache.blocks_for(tokens) + len(self._running) <= self.cache.free_blocks
+
+    def _admit(self, seq: _Sequence) -> None:
+        """Mark `seq` admitted; the first time, decide its tokens to prefill: the prompt, followed
+        by the tokens the grammar forces before anything is sampled (a JSON schema's `{"name`),
+        emitted as the first delta once prefilled; one token is left to sample. A preempted
+        sequence prefills its prompt and what it emitted."""
+        seq.admission = next(self._admissions)
+        if seq.token_ids:
+            return
         prompt = seq.request.prompt_token_ids
         sampling = seq.request.sampling
         metrics.request_queue_time.observe(time.monotonic() - seq.arrival)
@@ -440,15 +500,22 @@ class TorchEngine(Engine):
             # was 5.8x the unconstrained at batch 1 on an 8B model): later forced tokens are
             # sampled, the mask allowing only them, one graph step each.
             seq.fast_forward = False
+        seq.token_ids = list(prompt)
         seq.prefill_tokens = prompt + forced
         seq.num_generated = len(forced)
         if sampling.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first prompt token has none
-        self.cache.reserve(len(seq.prefill_tokens))
-        self.sampler.add(slot, sampling, prompt, seq.generator)
-        self.sampler.record_forced(slot, forced)
 
-    def _forward(self, num_decoding: int, graphs: bool, chunks: list[_Chunk]) -> Optional[torch.Tensor]:
+    def _join(self, seq: _Sequence, slot: int) -> None:
+        """`seq` runs from this step on, in `slot`: its sampler row counts the tokens generated
+        so far (forced ones; for a preempted sequence, all it emitted) as if sampled."""
+        self._running.append(seq)
+        self._prefilling = None
+        prompt = seq.request.prompt_token_ids
+        self.sampler.add(slot, seq.request.sampling, prompt, seq.generator)
+        self.sampler.record_forced(slot, seq.prefill_tokens[len(prompt):])
+
+    def _forward(self, num_decoding: int, chunks: list[_Chunk]) -> Optional[torch.Tensor]:
         """Decode the first `num_decoding` running rows, then run the prompt chunks; the logits of
         every row that samples this step, in row order (None when no row does)."""
         logits = []
@@ -457,7 +524,7 @@ class TorchEngine(Engine):
             batch = self._running[:num_decoding]
             if ahead is None:
                 ahead = self._decode_tokens(batch, int64_to_device([seq.pending_tokens[0] for seq in batch],
-                                                                   self.device), graphs)
+                                                                   self.device))
                 for seq in batch:
                     seq.length += 1
                     seq.pending_tokens = seq.pending_tokens[1:]  # a copy: the list went out in a delta
@@ -472,15 +539,15 @@ class TorchEngine(Engine):
             return None
         return torch.cat(logits) if len(logits) > 1 else logits[0]
 
-    def _decode_tokens(self, batch: list[_Sequence], token_ids: torch.Tensor, graphs: bool) -> torch.Tensor:
-        """One batched decode of `token_ids` (on the device) at each sequence's next position; the
-        caller advances the lengths."""
+    def _decode_tokens(self, batch: list[_Sequence], token_ids: torch.Tensor) -> torch.Tensor:
+        """One batched decode of `token_ids` (on the device) at each sequence's next position (rows
+        0..n-1, their blocks allocated); the caller advances the lengths."""
         positions = [seq.length for seq in batch]
-        self.cache.reserve(max(positions) + 1)
         positions_tensor = int64_to_device(positions, self.device)
-        if graphs and self.decode_graphs is not None:
+        if self.decode_graphs is not None:
             return self.decode_graphs.decode(token_ids, positions_tensor)
-        return self.model.decode(token_ids, positions_tensor, max(positions) + 1, self.cache)
+        return self.model.decode(token_ids, positions_tensor, max(positions) + 1, self.cache,
+                                 self.cache.block_table[: len(batch)])
 
     def _extend_pending(self, batch: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
         """Feed the tokens still pending after the decoded one (forced by a grammar) through one
@@ -488,7 +555,6 @@ class TorchEngine(Engine):
         pending = [(slot, seq) for slot, seq in enumerate(batch) if seq.pending_tokens]
         if not pending:
             return logits
-        self.cache.reserve(max(seq.length + len(seq.pending_tokens) for _, seq in pending))
         tokens = int64_to_device([t for _, seq in pending for t in seq.pending_tokens], self.device)
         segments = [Segment(slot, seq.length, len(seq.pending_tokens)) for slot, seq in pending]
         slots = int64_to_device([slot for slot, _ in pending], self.device)
@@ -499,7 +565,7 @@ class TorchEngine(Engine):
         return logits
 
     def _prefill(self, chunks: list[_Chunk]) -> torch.Tensor:
-        """Extend each chunk's slot with its tokens, several chunks per forward pass (the matmuls
+        """Extend each chunk's row with its tokens, several chunks per forward pass (the matmuls
         batched: a wave of prompts is prefilled in a few passes, not one pass each); each chunk's
         last-position logits, in order. A prompt prefilled to its end emits its forced tokens (with
         the prompt logprobs) as its first delta."""
@@ -508,18 +574,19 @@ class TorchEngine(Engine):
             if _scores_prompt(batch[0]):  # alone in its pass
                 seq = batch[0].seq
                 tokens = int64_to_device(seq.prefill_tokens[seq.length:batch[0].end], self.device)
-                rows.append(self._extend_scoring_prompt(seq, tokens, batch[0].slot).unsqueeze(0))
+                rows.append(self._extend_scoring_prompt(seq, tokens, batch[0].row).unsqueeze(0))
                 continue
             tokens = int64_to_device([t for c in batch for t in c.seq.prefill_tokens[c.seq.length:c.end]], self.device)
-            segments = [Segment(c.slot, c.seq.length, c.end - c.seq.length) for c in batch]
+            segments = [Segment(c.row, c.seq.length, c.end - c.seq.length) for c in batch]
             rows.append(self.model.extend_batch(tokens, self.cache, segments))
         for chunk in chunks:
             seq = chunk.seq
             seq.length = chunk.end
             if chunk.last:
-                forced = seq.prefill_tokens[len(seq.request.prompt_token_ids):]
+                forced = seq.prefill_tokens[len(seq.token_ids):]  # none after a preemption
                 seq.prefill_tokens = []
                 if forced:
+                    seq.token_ids += forced
                     seq.emit(TokenDelta(forced, logprobs=self._forced_logprobs(seq, forced),
                                         prompt_logprobs=seq.take_prompt_logprobs()))
         return torch.cat(rows) if len(rows) > 1 else rows[0]
@@ -540,7 +607,7 @@ class TorchEngine(Engine):
             return None
         return [TokenLogprob(0.0, ((token, 0.0),) if seq.request.sampling.logprobs else ()) for token in forced]
 
-    def _extend_scoring_prompt(self, seq: _Sequence, tokens: torch.Tensor, slot: int) -> torch.Tensor:
+    def _extend_scoring_prompt(self, seq: _Sequence, tokens: torch.Tensor, row: int) -> torch.Tensor:
         """`extend` with these tokens, also scoring the prompt tokens they predict under the model
         (raw logprobs, appended to seq.prompt_logprobs); forced tokens are not scored.
 
@@ -548,7 +615,7 @@ class TorchEngine(Engine):
         (positions, vocab) memory.
         """
         start = seq.length
-        hidden = self.model.extend_hidden(tokens, self.cache, [Segment(slot, start, tokens.shape[0])])
+        hidden = self.model.extend_hidden(tokens, self.cache, [Segment(row, start, tokens.shape[0])])
         logits = self.model.lm_head(hidden[-1]).float()
         prompt = seq.request.prompt_token_ids
         scored = min(start + tokens.shape[0], len(prompt) - 1) - start  # position p predicts prompt[p + 1]
@@ -589,6 +656,7 @@ class TorchEngine(Engine):
             self._finish(seq, "length", tokens, logprobs=logprobs)
             return "length"
         seq.emit(TokenDelta(tokens, logprobs=logprobs, prompt_logprobs=seq.take_prompt_logprobs()))
+        seq.token_ids += tokens
         seq.pending_tokens = forced if fed else tokens
         seq.length += fed
         self.sampler.record_forced(row, forced)
@@ -601,21 +669,16 @@ class TorchEngine(Engine):
         seq.emit(TokenDelta(token_ids or [], reason, error, logprobs, seq.take_prompt_logprobs()))
 
     def _remove(self, index: int) -> None:
-        """Free slot `index`, moving the last running sequence into it, and the prompt in progress
-        into the slot that frees."""
+        """Free row `index`'s blocks and move the last running sequence into it."""
         last = len(self._running) - 1
+        self.cache.free(index)
         if index != last:
-            self._move(last, index, self._running[last].length)
+            self.cache.move(last, index)
+            self.sampler.move(last, index)
             self._running[index] = self._running[last]
             if self._ahead is not None:
                 self._ahead[index] = self._ahead[last]
         self._running.pop()
-        if self._prefilling is not None:
-            self._move(last + 1, last, self._prefilling.length)
-
-    def _move(self, src: int, dst: int, length: int) -> None:
-        self.cache.move(src, dst, length)
-        self.sampler.move(src, dst)
 
 
 def _prefill_passes(chunks: list[_Chunk]) -> list[list[_Chunk]]:
@@ -635,7 +698,7 @@ def _prefill_passes(chunks: list[_Chunk]) -> list[list[_Chunk]]:
 
 
 def _scores_prompt(chunk: _Chunk) -> bool:
-    return chunk.seq.request.sampling.prompt_logprobs is not None
+    return chunk.seq.prompt_logprobs is not None  # asked for, and not sent yet
 
 
 def _put_all(items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:

@@ -1,8 +1,9 @@
-"""Triton twin of attention.decode_attention: split-K "flash decoding".
+"""Triton twin of attention.decode_attention: split-K "flash decoding" over the paged cache.
 
 Each program takes one (row, kv head, key split): the GQA group's queries against a slice of
 that row's keys, with an online softmax, leaving a partial output and its log-sum-exp; a second
-kernel merges the splits. Each row's length (positions[i] + 1) is read on the device, so the
+kernel merges the splits. Keys are found through the row's block table, one block id per key
+(a cached gather: a 64-key step touches 4 blocks of 16). Each row's length (positions[i] + 1) is read on the device, so the
 launch shapes depend on the batch alone and a CUDA graph serves every length. The split count
 is chosen per batch to give the GPU about two programs per SM.
 """
@@ -21,10 +22,10 @@ MAX_SPLITS = 32
 
 @triton.jit
 def _split_kernel(
-    q_ptr, key_cache_ptr, value_cache_ptr, positions_ptr, partial_out_ptr, partial_lse_ptr,
-    cache_slot_stride, cache_head_stride, cache_position_stride, scale,
+    q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, positions_ptr, partial_out_ptr, partial_lse_ptr,
+    block_table_stride, cache_block_stride, cache_head_stride, cache_position_stride, scale,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DIM_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DIM_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -42,14 +43,17 @@ def _split_kernel(
     dim_mask = dims < HEAD_DIM
     q = tl.load(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + dims[None, :],
                 mask=group_mask[:, None] & dim_mask[None, :], other=0.0)
-    cache_offset = row * cache_slot_stride + kv_head * cache_head_stride
+    table = block_table_ptr + row * block_table_stride
+    head_offset = kv_head * cache_head_stride
     max_score = tl.full([GROUP_BLOCK], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_BLOCK], tl.float32)
     acc = tl.zeros([GROUP_BLOCK, DIM_BLOCK], tl.float32)
     for block_start in range(start, end, BLOCK_N):
         keys_at = block_start + tl.arange(0, BLOCK_N)
         key_mask = keys_at < end
-        tile = cache_offset + keys_at[:, None] * cache_position_stride + dims[None, :]
+        blocks = tl.load(table + keys_at // BLOCK_SIZE, mask=key_mask, other=0)
+        key_offsets = head_offset + blocks * cache_block_stride + (keys_at % BLOCK_SIZE) * cache_position_stride
+        tile = key_offsets[:, None] + dims[None, :]
         tile_mask = key_mask[:, None] & dim_mask[None, :]
         k = tl.load(key_cache_ptr + tile, mask=tile_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # "ieee": no tf32 for float32
@@ -99,7 +103,8 @@ def _multiprocessors(device_index: int) -> int:
 
 
 def decode_attention(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, positions: torch.Tensor, key_len: int
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+    positions: torch.Tensor, key_len: int,
 ) -> torch.Tensor:
     """Same contract as attention.decode_attention; key_len is not needed (lengths are read on the device)."""
     n, heads, head_dim = q.shape
@@ -110,10 +115,10 @@ def decode_attention(
     partial_lse = torch.empty(n, heads, splits, dtype=torch.float32, device=q.device)
     dim_block = triton.next_power_of_2(head_dim)
     _split_kernel[(n, kv_heads, splits)](
-        q, key_cache, value_cache, positions, partial_out, partial_lse,
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), head_dim**-0.5,
+        q, key_cache, value_cache, block_table, positions, partial_out, partial_lse,
+        block_table.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), head_dim**-0.5,
         NUM_HEADS=heads, GROUP=group, GROUP_BLOCK=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        DIM_BLOCK=dim_block, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, num_warps=4,
+        DIM_BLOCK=dim_block, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, BLOCK_SIZE=key_cache.shape[2], num_warps=4,
     )
     out = q.new_empty(n, heads * head_dim)
     _merge_kernel[(n * heads,)](partial_out, partial_lse, out, HEAD_DIM=head_dim, DIM_BLOCK=dim_block,

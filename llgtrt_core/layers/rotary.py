@@ -36,24 +36,27 @@ def rope_write_kv(
     sin_table: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    block_table: torch.Tensor,
     q_norm_weight: Optional[torch.Tensor] = None,
     k_norm_weight: Optional[torch.Tensor] = None,
     eps: float = 0.0,
 ) -> torch.Tensor:
     """Decode's step between the qkv projection and attention, one token per row.
 
-    qkv: (n, (heads + 2 * kv_heads) * head_dim), q then k then v; row i belongs to cache slot i
-    and sits at positions[i]. cos/sin tables: float32 (max_positions, head_dim). Caches: one
-    layer's (slots, kv_heads, capacity, head_dim). With norm weights (Qwen3), q and k are
-    RMS-normalized per head before the rotation. Writes rotated k and v into the caches at each
-    row's position; returns rotated q (n, heads, head_dim).
+    qkv: (n, (heads + 2 * kv_heads) * head_dim), q then k then v; row i sits at positions[i] of
+    the sequence whose blocks block_table[i] lists. cos/sin tables: float32 (max_positions,
+    head_dim). Caches: one layer's (blocks, kv_heads, block_size, head_dim). With norm weights
+    (Qwen3), q and k are RMS-normalized per head before the rotation. Writes rotated k and v into
+    the caches at each row's position; returns rotated q (n, heads, head_dim).
     """
     n, heads, kv_heads, head_dim = qkv_shape(qkv, key_cache)
     q, k, v = qkv.view(n, -1, head_dim).split([heads, kv_heads, kv_heads], dim=1)
     if q_norm_weight is not None:
         q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
     cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # (n, 1, head_dim)
-    slots = torch.arange(n, device=qkv.device)
-    key_cache[slots, :, positions] = apply_rope(k, cos, sin)
-    value_cache[slots, :, positions] = v
+    block_size = key_cache.shape[2]
+    blocks = block_table[torch.arange(n, device=qkv.device), positions // block_size]
+    offsets = positions % block_size
+    key_cache[blocks, :, offsets] = apply_rope(k, cos, sin)
+    value_cache[blocks, :, offsets] = v
     return apply_rope(q, cos, sin)

@@ -13,14 +13,19 @@ from llgtrt_core.layers.rotary import qkv_shape
 
 @triton.jit
 def _rope_write_kv_kernel(
-    qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_out_ptr, key_cache_ptr, value_cache_ptr, q_norm_ptr, k_norm_ptr,
-    qkv_row_stride, table_row_stride, cache_slot_stride, cache_head_stride, cache_position_stride, eps,
+    qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_out_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr,
+    q_norm_ptr, k_norm_ptr,
+    qkv_row_stride, table_row_stride, block_table_stride, cache_block_stride, cache_head_stride,
+    cache_position_stride, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr,
-    QK_NORM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     position = tl.load(positions_ptr + row)
+    block = tl.load(block_table_ptr + row * block_table_stride + position // BLOCK_SIZE)
+    # Where this row's key/value heads go: its block, at the position's offset in it.
+    cache_offset = block * cache_block_stride + (position % BLOCK_SIZE) * cache_position_stride
     half = HEAD_DIM // 2
     offsets = tl.arange(0, HALF_BLOCK)
     mask = offsets < half
@@ -29,8 +34,7 @@ def _rope_write_kv_kernel(
     x2 = tl.load(source + half + offsets, mask=mask, other=0.0)
     if head >= NUM_HEADS + NUM_KV_HEADS:  # a value head: copied into the cache as is
         kv_head = head - NUM_HEADS - NUM_KV_HEADS
-        target = value_cache_ptr + row * cache_slot_stride + kv_head * cache_head_stride
-        target += position * cache_position_stride
+        target = value_cache_ptr + cache_offset + kv_head * cache_head_stride
         tl.store(target + offsets, x1, mask=mask)
         tl.store(target + half + offsets, x2, mask=mask)
     else:
@@ -56,8 +60,7 @@ def _rope_write_kv_kernel(
         if head < NUM_HEADS:
             target = q_out_ptr + row * NUM_HEADS * HEAD_DIM + head * HEAD_DIM
         else:
-            target = key_cache_ptr + row * cache_slot_stride + (head - NUM_HEADS) * cache_head_stride
-            target += position * cache_position_stride
+            target = key_cache_ptr + cache_offset + (head - NUM_HEADS) * cache_head_stride
         tl.store(target + offsets, out1, mask=mask)
         tl.store(target + half + offsets, out2, mask=mask)
 
@@ -69,6 +72,7 @@ def rope_write_kv(
     sin_table: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    block_table: torch.Tensor,
     q_norm_weight: Optional[torch.Tensor] = None,
     k_norm_weight: Optional[torch.Tensor] = None,
     eps: float = 0.0,
@@ -78,10 +82,11 @@ def rope_write_kv(
     q = qkv.new_empty(n, heads, head_dim)
     qk_norm = q_norm_weight is not None
     _rope_write_kv_kernel[(n, heads + 2 * kv_heads)](
-        qkv, positions, cos_table, sin_table, q, key_cache, value_cache,
+        qkv, positions, cos_table, sin_table, q, key_cache, value_cache, block_table,
         q_norm_weight if qk_norm else qkv, k_norm_weight if qk_norm else qkv,  # unread without QK_NORM
-        qkv.stride(0), cos_table.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), eps,
+        qkv.stride(0), cos_table.stride(0), block_table.stride(0), key_cache.stride(0), key_cache.stride(1),
+        key_cache.stride(2), eps,
         NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
-        QK_NORM=qk_norm, num_warps=1,
+        BLOCK_SIZE=key_cache.shape[2], QK_NORM=qk_norm, num_warps=1,
     )
     return q

@@ -4,9 +4,9 @@ decode attention) come from `llgtrt_core.layers`, as Triton kernels on CUDA, pla
 
 Parameter names follow Hugging Face checkpoints, except that q/k/v and gate/up projections are
 packed into one matrix each (`checkpoint_tensors` maps the checkpoint's names onto them). The
-model reads and writes an external KV cache (`llgtrt_core.engine.kv_cache.KVCache`): one
-sequence at a time for `extend` (a prompt, or tokens a grammar forced), the first `n` cache
-slots at once for decode.
+model reads and writes an external paged KV cache (`llgtrt_core.engine.kv_cache.KVCache`):
+`extend_batch` for new tokens of one or more sequences (prompts, or tokens a grammar forced),
+`decode` for one token of each of the first `n` cache rows.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ SUPPORTED_ARCHITECTURES = (
 
 @dataclass(frozen=True)
 class Segment:
-    """`length` new tokens of cache slot `slot`, at positions start..start+length-1."""
+    """`length` new tokens of the sequence in cache row `slot`, at positions start..start+length-1."""
 
     slot: int
     start: int
@@ -173,10 +173,12 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def extend(self, x: torch.Tensor, cos, sin, cache: KVCache, segments: Sequence[Segment],
-               attn_masks: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-        """New tokens of one or more sequences, concatenated: segment i's attend to its slot's cached
+               attn_masks: Sequence[Optional[torch.Tensor]], blocks: torch.Tensor, offsets: torch.Tensor
+               ) -> torch.Tensor:
+        """New tokens of one or more sequences, concatenated: segment i's attend to its row's cached
         keys and causally among themselves. x: (1, total, hidden); cos/sin: float32 (1, 1, total,
-        head_dim); attn_masks[i]: (length, start+length) bool, None when the segment starts at 0.
+        head_dim); attn_masks[i]: (length, start+length) bool, None when the segment starts at 0;
+        blocks/offsets: (total,) where each token's key and value go in the cache.
         The projections run over all tokens at once, attention one segment at a time."""
         batch, total, _ = x.shape
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
@@ -187,11 +189,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, total, head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(self.layer_index, blocks, offsets, k[0].transpose(0, 1), v[0].transpose(0, 1))
         outputs, offset = [], 0
         for segment, attn_mask in zip(segments, attn_masks):
             part = slice(offset, offset + segment.length)
-            keys, values = cache.write_extend(self.layer_index, segment.slot, segment.start, k[0, :, part],
-                                              v[0, :, part])
+            if segment.start == 0:  # nothing cached before: its own keys are all it sees
+                keys, values = k[0, :, part], v[0, :, part]
+            else:
+                keys, values = cache.read(self.layer_index, segment.slot, segment.start + segment.length)
             outputs.append(F.scaled_dot_product_attention(q[:, :, part], keys.unsqueeze(0), values.unsqueeze(0),
                                                           attn_mask=attn_mask, is_causal=attn_mask is None,
                                                           enable_gqa=True))
@@ -200,12 +205,13 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, total, -1))
 
     def decode(self, x: torch.Tensor, ops: LayerOps, cos_table: torch.Tensor, sin_table: torch.Tensor,
-               cache: KVCache, positions: torch.Tensor, key_len: int) -> torch.Tensor:
-        """One new token for each of the first n slots; x: (n, hidden), slot i's token sits at positions[i]."""
+               cache: KVCache, block_table: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
+        """One new token per row; x: (n, hidden), row i's token sits at positions[i] of the sequence
+        whose blocks block_table[i] lists."""
         keys, values = cache.keys[self.layer_index], cache.values[self.layer_index]
         qk_norm = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        q = ops.rope_write_kv(self.qkv_proj(x), positions, cos_table, sin_table, keys, values, *qk_norm)
-        return self.o_proj(ops.decode_attention(q, keys, values, positions, key_len))
+        q = ops.rope_write_kv(self.qkv_proj(x), positions, cos_table, sin_table, keys, values, block_table, *qk_norm)
+        return self.o_proj(ops.decode_attention(q, keys, values, block_table, positions, key_len))
 
 
 class MLP(nn.Module):
@@ -287,13 +293,13 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def extend(self, token_ids: torch.Tensor, cache: KVCache, slot: int, start: int = 0) -> torch.Tensor:
-        """token_ids: (seq,) appended to one cache slot at positions start..start+seq-1 (a prompt when
+        """token_ids: (seq,) appended to one cache row at positions start..start+seq-1 (a prompt when
         start is 0, tokens a grammar forced otherwise). Returns the last position's logits (vocab,)."""
         return self.extend_batch(token_ids, cache, [Segment(slot, start, token_ids.shape[0])])[0]
 
     @torch.inference_mode()
     def extend_batch(self, token_ids: torch.Tensor, cache: KVCache, segments: Sequence[Segment]) -> torch.Tensor:
-        """`extend` for several slots in one pass: token_ids holds each segment's tokens in turn.
+        """`extend` for several rows in one pass: token_ids holds each segment's tokens in turn.
         Returns each segment's last-position logits (segments, vocab)."""
         last = int64_to_device([end - 1 for end in itertools.accumulate(s.length for s in segments)], token_ids.device)
         return self.lm_head(self.extend_hidden(token_ids, cache, segments)[last]).float()
@@ -306,6 +312,8 @@ class LlamaForCausalLM(nn.Module):
         # From pinned memory: a pageable copy would wait for the work already queued (the GPU idles
         # while the host then queues this pass).
         positions = int64_to_device([p for s in segments for p in range(s.start, s.start + s.length)], device)
+        rows = int64_to_device([s.slot for s in segments for _ in range(s.length)], device)
+        blocks, offsets = cache.locate(rows, positions)
         # Query i of a segment sees keys 0..start+i; from 0 that is plain causal attention (SDPA's is_causal).
         attn_masks = [None if s.start == 0 else
                       torch.arange(s.start + s.length, device=device) <= torch.arange(s.start, s.start + s.length,
@@ -314,18 +322,20 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope_cos[positions][None, None], self.rope_sin[positions][None, None]
         hidden = self._run(
             self.model.embed_tokens(token_ids.unsqueeze(0)), layer_ops(device, self.fused_ops),
-            lambda attn, h: attn.extend(h, cos, sin, cache, segments, attn_masks),
+            lambda attn, h: attn.extend(h, cos, sin, cache, segments, attn_masks, blocks, offsets),
         )
         return hidden[0]
 
     @torch.inference_mode()
-    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, key_len: int, cache: KVCache) -> torch.Tensor:
-        """token_ids, positions: (n,) for cache slots 0..n-1. key_len >= max(positions) + 1, known to the
-        caller without a device sync, bounds the keys the torch ops read; the Triton ops read each
-        row's own length on the device. Returns logits (n, vocab)."""
+    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, key_len: int, cache: KVCache,
+               block_table: torch.Tensor) -> torch.Tensor:
+        """token_ids, positions: (n,); row i continues the sequence whose blocks block_table[i] lists
+        (the cache's own table for its rows 0..n-1, or a CUDA graph's copy of it). key_len >=
+        max(positions) + 1, known to the caller without a device sync, bounds the keys the torch
+        ops read; the Triton ops read each row's own length on the device. Returns logits (n, vocab)."""
         ops = layer_ops(token_ids.device, self.fused_ops)
         hidden = self._run(
             self.model.embed_tokens(token_ids), ops,
-            lambda attn, h: attn.decode(h, ops, self.rope_cos, self.rope_sin, cache, positions, key_len),
+            lambda attn, h: attn.decode(h, ops, self.rope_cos, self.rope_sin, cache, block_table, positions, key_len),
         )
         return self.lm_head(hidden).float()
