@@ -54,6 +54,14 @@ def test_logits_match_transformers(stored_model_dir: Path, tokenizer) -> None:
     assert tokenizer.decode(generated).startswith("The capital of France")
 
 
+def assert_logprobs_match(got: list, want: list) -> None:
+    """Same chosen-token logprobs (float32 batching noise allowed) and the same top alternatives."""
+    assert len(got) == len(want)
+    for got_logprob, want_logprob in zip(got, want):
+        assert got_logprob.logprob == pytest.approx(want_logprob.logprob, abs=1e-3)
+        assert [t for t, _ in got_logprob.top] == [t for t, _ in want_logprob.top]
+
+
 def run(engine: TorchEngine, request: GenerationRequest) -> tuple[list[int], str]:
     async def collect() -> tuple[list[int], str]:
         tokens: list[int] = []
@@ -177,6 +185,151 @@ def test_preempted_sequences_give_the_tokens_they_give_alone(engine_factory, tok
     assert usage == 0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_preemption_keeps_constrained_outputs_and_logprobs(stored_model_dir: Path, tokenizer, device: str) -> None:
+    """Six requests of up to ~100 positions share a 112-token cache, with overlapped steps and
+    prompts prefilled 8 tokens a step: JSON-schema requests whose grammar forces tokens (fed a
+    step later; on CPU) or whose sampled token is committed a step later (raw logprobs, or CUDA
+    graphs: no fast-forward), prompt logprobs, seeded draws with penalties and min_tokens.
+    Preempted and recomputed, each gets the tokens, logprobs and prompt logprobs it gets alone
+    (none lost, none sent twice)."""
+    import json
+
+    from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
+    from llgtrt_core.constraints.postprocessor import MaskPostProcessor
+    from llgtrt_core.constraints.request_grammar import json_schema_grammar
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer"},
+                                               "city": {"type": "string", "enum": ["Paris", "London", "Berlin"]}},
+              "required": ["name", "age", "city"], "additionalProperties": False}
+    vocab_size = json.loads((stored_model_dir / "config.json").read_text())["vocab_size"]
+    ll_tokenizer = build_ll_tokenizer(tokenizer, vocab_size, sorted(EOS))
+
+    def sampling(**extra) -> SamplingParams:
+        return SamplingParams(**{"max_tokens": 80, "temperature": 0.0, "stop_token_ids": EOS, **extra})
+
+    specs = [  # question, constrained, sampling
+        ("Describe a person as JSON.", True, sampling(logprobs=1)),
+        ("Tell me a long story about a dragon.", False, sampling(logprobs=2, prompt_logprobs=1, min_tokens=70,
+                                                                 frequency_penalty=0.5)),
+        ("Describe a person from Paris as JSON.", True, sampling(prompt_logprobs=1)),
+        ("Write a poem about the sea.", False, sampling(temperature=0.8, seed=3, frequency_penalty=0.5,
+                                                        min_tokens=70)),
+        ("Describe a person from London as JSON.", True, sampling(logprobs=1, logprobs_mode="raw_logprobs")),
+        ("Describe a person from Berlin as JSON.", True, sampling(temperature=0.7, seed=5, max_tokens=40)),
+    ]
+
+    async def scenario():
+        compiler = GrammarCompiler(ll_tokenizer)
+        engine = TorchEngine(stored_model_dir, TorchEngineConfig(device=device, dtype="float32", max_batch_size=4,
+                                                                 max_model_len=112, kv_cache_max_tokens=112,
+                                                                 overlap_steps=True, prefill_chunk_tokens=8),
+                             MaskPostProcessor(ll_tokenizer, max_batch_size=4))
+        await engine.start()
+        try:
+            grammar = await compiler.compile(json_schema_grammar(schema))
+
+            async def one(i: int, question: str, constrained: bool, params: SamplingParams) -> tuple:
+                request = GenerationRequest(f"r{i}", chat_prompt(tokenizer, question), params,
+                                            compiler.new_constraint(grammar) if constrained else None)
+                deltas = [delta async for delta in engine.generate(request)]
+                return ([t for d in deltas for t in d.token_ids], deltas[-1].finish_reason,
+                        [lp for d in deltas for lp in d.logprobs or []],
+                        [d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None])
+
+            together = await asyncio.gather(*(one(i, *spec) for i, spec in enumerate(specs)))
+            preemptions = engine.num_preemptions
+            alone = [await one(i, *spec) for i, spec in enumerate(specs)]
+            return together, alone, preemptions, engine.cache.usage
+        finally:
+            await engine.shutdown()
+            compiler.close()
+
+    together, alone, preemptions, usage = asyncio.run(scenario())
+    assert preemptions > 0 and usage == 0
+    assert [result[:2] for result in together] == [result[:2] for result in alone]
+    for got_result, want_result in zip(together, alone):
+        # Sampled tokens' logprobs, then the prompt's (sent once, with the first delta; the first is None).
+        got, want = ([*logprobs, *(p for sent in prompt_logprobs for p in sent[1:])]
+                     for _, _, logprobs, prompt_logprobs in (got_result, want_result))
+        assert len(got) == len(want) and len(got_result[3]) == len(want_result[3]) <= 1
+        assert_logprobs_match(got, want)
+    prompt_lengths = [len(chat_prompt(tokenizer, question)) for question, _, _ in specs]
+    assert [len(result[2]) for result in together] == [len(together[0][0]), len(together[1][0]), 0, 0,
+                                                       len(together[4][0]), 0]
+    assert [len(sum(result[3], [])) for result in together] == [0, prompt_lengths[1], prompt_lengths[2], 0, 0, 0]
+
+
+def test_a_prompt_preempted_mid_prefill_scores_its_prompt_once(stored_model_dir: Path, tokenizer) -> None:
+    """An 80-token prompt asking for prompt logprobs is prefilled 2 tokens a step beside a running
+    JSON request in a 192-token cache. Admission leaves room for a token a step, but the grammar
+    forces a ~75-token constant at once (fast-forward) after a sampled 40-character name, taking
+    the blocks back from the part-prefilled prompt, which later starts over. Its prompt logprobs,
+    one per prompt token, and both requests' tokens are those they get alone."""
+    import json
+
+    from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
+    from llgtrt_core.constraints.postprocessor import MaskPostProcessor
+    from llgtrt_core.constraints.request_grammar import json_schema_grammar
+
+    constant = "The quick brown fox jumps over the lazy dog near the river bank. " * 5
+    schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 40, "maxLength": 40},
+                                               "motto": {"const": constant}},
+              "required": ["name", "motto"], "additionalProperties": False}
+    vocab_size = json.loads((stored_model_dir / "config.json").read_text())["vocab_size"]
+    ll_tokenizer = build_ll_tokenizer(tokenizer, vocab_size, sorted(EOS))
+    prompt = chat_prompt(tokenizer, "Summarize: " + "the fox and the dog by the river, " * 5)
+
+    async def scenario():
+        compiler = GrammarCompiler(ll_tokenizer)
+        engine = TorchEngine(stored_model_dir, TorchEngineConfig(device="cpu", max_batch_size=2, max_model_len=192,
+                                                                 kv_cache_max_tokens=192, overlap_steps=True,
+                                                                 prefill_chunk_tokens=2),
+                             MaskPostProcessor(ll_tokenizer, max_batch_size=2))
+        await engine.start()
+        try:
+            grammar = await compiler.compile(json_schema_grammar(schema))
+
+            async def collect(name: str) -> tuple[list[int], list]:
+                if name == "json":
+                    request = GenerationRequest(name, chat_prompt(tokenizer, "A person as JSON."),
+                                                SamplingParams(max_tokens=150, temperature=0.0, stop_token_ids=EOS),
+                                                compiler.new_constraint(grammar))
+                else:
+                    request = GenerationRequest(name, prompt, SamplingParams(max_tokens=4, temperature=0.0,
+                                                                             prompt_logprobs=1))
+                tokens, prompt_logprobs = [], []
+                async for delta in engine.generate(request):
+                    tokens += delta.token_ids
+                    prompt_logprobs += delta.prompt_logprobs or []
+                return tokens, prompt_logprobs
+
+            together = await asyncio.gather(collect("json"), _after_steps(engine, 2, collect("scored")))
+            preemptions = engine.num_preemptions
+            alone = [await collect(name) for name in ("json", "scored")]
+            return together, alone, preemptions, engine.cache.usage
+        finally:
+            await engine.shutdown()
+            compiler.close()
+
+    together, alone, preemptions, usage = asyncio.run(scenario())
+    assert preemptions > 0 and usage == 0
+    assert [tokens for tokens, _ in together] == [tokens for tokens, _ in alone]
+    assert constant in tokenizer.decode(together[0][0])
+    (_, got), (_, want) = together[1], alone[1]
+    assert len(got) == len(prompt) and got[0] is None
+    assert_logprobs_match(got[1:], want[1:])
+
+
+async def _after_steps(engine: TorchEngine, steps: int, awaitable):
+    """`awaitable`, started once the engine has run `steps` steps (so another request runs first)."""
+    while engine.num_steps < steps:
+        await asyncio.sleep(0.001)
+    return await awaitable
+
+
 def test_prompts_split_over_prefill_passes_match_running_alone(engine_factory, tokenizer, monkeypatch) -> None:
     """A step's prompts share forward passes up to PREFILL_PASS_TOKENS (here 40): some passes hold
     two prompts, a longer one runs alone; every request still gets the tokens it gets alone."""
@@ -223,9 +376,9 @@ def test_rejects_prompts_that_do_not_fit(engine_factory) -> None:
     not torch.cuda.is_available(), reason="needs CUDA"))])
 def test_chunked_prefill_matches_whole_prompts_while_others_stream(engine_factory, tokenizer, device: str) -> None:
     """Prompts prefilled 16 tokens a step give the greedy tokens (and prompt logprobs) of whole-
-    prompt prefill. The short request ends while the next prompt is mid-prefill, which then moves
-    down a slot; the long prompt is prefilled over 8 steps while another request streams (on
-    CUDA: decoding eagerly, then under graphs again once it joined)."""
+    prompt prefill. The short request ends while the next prompt is mid-prefill (in the cache's
+    prefill row, which the leaving row does not disturb); the long prompt is prefilled over 8
+    steps while another request streams (on CUDA: decoding under graphs throughout)."""
     specs = [
         ("a", chat_prompt(tokenizer, "Count to five."), 2, None),
         ("b", chat_prompt(tokenizer, "Write a haiku about the sea."), 24, 2),
@@ -260,9 +413,7 @@ def test_chunked_prefill_matches_whole_prompts_while_others_stream(engine_factor
     assert [len(t) for t, _, _ in chunked] == [2, 24, 6]
     chunked_scores, whole_scores = chunked[1][2], whole[1][2]
     assert len(chunked_scores) == len(specs[1][1]) and chunked_scores[0] is None
-    for got, expected in zip(chunked_scores[1:], whole_scores[1:]):
-        assert got.logprob == pytest.approx(expected.logprob, abs=1e-3)
-        assert [t for t, _ in got.top] == [t for t, _ in expected.top]
+    assert_logprobs_match(chunked_scores[1:], whole_scores[1:])
     # "b" streamed while "c" (128 tokens: 8 chunks) was prefilled behind it.
     assert arrivals[:arrivals.index("c")].count("b") >= 5
 
@@ -326,6 +477,32 @@ def test_a_failing_mask_fill_ends_only_its_rows(stored_model_dir: Path, tokenize
     (plain, broken), alone = asyncio.run(scenario())
     assert broken == ([], "error")
     assert plain == alone and plain[1] == "length" and len(plain[0]) == 6
+
+
+def test_a_request_whose_admission_fails_gets_an_error(stored_model_dir: Path, tokenizer) -> None:
+    """Admission asks the grammar for its forced tokens, which raises for this constraint: the
+    failed step must end that request (not lose it between the queue and the batch), and the
+    engine serves the next one."""
+    from llguidance import LLTokenizer
+
+    from llgtrt_core.constraints.postprocessor import MaskPostProcessor
+
+    async def scenario():
+        engine = TorchEngine(stored_model_dir, TorchEngineConfig(device="cpu", max_batch_size=2),
+                             MaskPostProcessor(LLTokenizer("byte"), max_batch_size=2))
+        await engine.start()
+        try:
+            broken = GenerationRequest("broken", chat_prompt(tokenizer, "Count to five."),
+                                       SamplingParams(max_tokens=6, temperature=0.0), NotAGrammar())
+            plain = GenerationRequest("plain", chat_prompt(tokenizer, "Name a color."),
+                                      SamplingParams(max_tokens=6, temperature=0.0))
+            return await asyncio.wait_for(run(engine, broken), timeout=60), await run(engine, plain)
+        finally:
+            await engine.shutdown()
+
+    broken, plain = asyncio.run(scenario())
+    assert broken == ([], "error")
+    assert plain[1] == "length" and len(plain[0]) == 6
 
 
 def test_a_consumer_that_falls_behind_gets_its_backlog_in_one_delta(engine_factory, tokenizer) -> None:

@@ -12,9 +12,10 @@ Block 0 is never handed out: entries of unused table rows point at it, so paddin
 CUDA-graph decode write there and harm nobody.
 
 On CUDA the blocks are allocated up front from free memory (addresses never change, which CUDA
-graphs need); on CPU the pool doubles when it runs out, so a server that only sees short
-prompts holds little memory. The host keeps the authoritative tables; `sync_table` uploads the
-rows changed since the last call in one copy, before the forward pass that reads them.
+graphs need); on CPU the pool doubles when it runs out (unless kv_cache_max_tokens fixes its
+size), so a server that only sees short prompts holds little memory. The host keeps the
+authoritative tables; `sync_table` uploads the rows changed since the last call in one copy,
+before the forward pass that reads them.
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ class KVCache:
     def usage(self) -> float:
         """Share of the pool's blocks held by sequences."""
         return 1 - len(self._free) / (self.num_blocks - 1)
+
+    def blocks_held(self, row: int) -> int:
+        return len(self._tables[row])
 
     def blocks_for(self, positions: int) -> int:
         return math.ceil(positions / self.block_size)

@@ -428,17 +428,21 @@ class TorchEngine(Engine):
         """Free `seq`'s blocks and queue it first, to prefill again what it held (recompute)."""
         if seq is self._prefilling:
             self._prefilling = None
+            held = self.cache.blocks_held(self.cache.prefill_row)
             self.cache.free(self.cache.prefill_row)
         else:
-            self._remove(self._running.index(seq))
+            row = self._running.index(seq)
+            held = self.cache.blocks_held(row)
+            self._remove(row)
             seq.prefill_tokens = list(seq.token_ids)  # all emitted: nothing to send once prefilled
             seq.pending_tokens = []
         seq.length = 0
         if seq.prompt_logprobs is not None:  # its prompt's scoring starts over too
             seq.prompt_logprobs = [None]
         self._waiting.appendleft(seq)
-        self.num_preemptions += 1
-        metrics.preemptions.inc()
+        if held:  # an admitted prompt still waiting for its first blocks lost nothing
+            self.num_preemptions += 1
+            metrics.preemptions.inc()
 
     def _plan_prefill(self) -> list[_Chunk]:
         """Admit waiting requests and pick this step's prompt chunks, in row order: whole prompts
@@ -453,7 +457,7 @@ class TorchEngine(Engine):
             if self._prefilling is not None:
                 seq = self._prefilling
             elif self._waiting and slot < self.cache.num_slots and self._fits(self._waiting[0]):
-                seq = self._waiting.popleft()
+                seq = self._prefilling = self._waiting.popleft()  # held here: a failed step ends it
                 self._admit(seq)
             else:
                 break
@@ -461,24 +465,25 @@ class TorchEngine(Engine):
             last = end == len(seq.prefill_tokens)
             # A sequence that samples this step also needs its next position (the decode queued ahead).
             if not self.cache.allocate(self.cache.prefill_row, end + last):
-                self._prefilling = seq  # it waits for blocks; running sequences go on
-                break
+                break  # it waits in the prefill row for blocks; running sequences go on
             budget -= end - seq.length
             if last:
                 self.cache.move(self.cache.prefill_row, slot)
                 self._join(seq, slot)
                 chunks.append(_Chunk(seq, slot, end, last=True))
             else:
-                self._prefilling = seq
                 chunks.append(_Chunk(seq, self.cache.prefill_row, end, last=False))
                 break
         return chunks
 
     def _fits(self, seq: _Sequence) -> bool:
-        """Whether the blocks free now hold `seq`'s prompt, with one to spare per running sequence
-        (so they do not need to preempt it at once)."""
+        """Whether the blocks free now hold `seq`'s prompt, with room to spare for each running
+        sequence to grow while the prompt is prefilled (a token per prefill step), so that they do
+        not take its blocks back before it is done."""
         tokens = len(seq.prefill_tokens or seq.request.prompt_token_ids) + 1
-        return self.cache.blocks_for(tokens) + len(self._running) <= self.cache.free_blocks
+        steps = math.ceil(tokens / (self.config.prefill_chunk_tokens or tokens))
+        spare = len(self._running) * self.cache.blocks_for(steps + 1)
+        return self.cache.blocks_for(tokens) + spare <= self.cache.free_blocks
 
     def _admit(self, seq: _Sequence) -> None:
         """Mark `seq` admitted; the first time, decide its tokens to prefill: the prompt, followed
