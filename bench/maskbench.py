@@ -37,7 +37,6 @@ import importlib.metadata
 import importlib.util
 import json
 import multiprocessing
-import os
 import random
 import statistics
 import sys
@@ -64,6 +63,7 @@ from measure import machine, percentile  # noqa: E402
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor  # noqa: E402
 from llgtrt_core.constraints.request_grammar import dumps_compact, json_schema_grammar  # noqa: E402
 from llgtrt_core.engine.interface import ConstrainedRow  # noqa: E402
+from llgtrt_core.engine.torch_engine import usable_cores  # noqa: E402
 
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "maskbench"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -94,11 +94,6 @@ def bit_set(mask_row: torch.Tensor, token: int) -> bool:
 def distribution(xs: list[float]) -> dict[str, float]:
     return {"n": len(xs), "mean_us": statistics.fmean(xs) if xs else float("nan"),
             "p50_us": percentile(xs, 50), "p99_us": percentile(xs, 99), "max_us": max(xs, default=float("nan"))}
-
-
-def usable_cores() -> int:
-    """CPUs this process may run on (a container's limit, not the host's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def parse_shard(text: str) -> tuple[int, int]:

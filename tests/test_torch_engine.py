@@ -4,6 +4,7 @@ continuous batching, seeds, abort, cache growth. Runs on CPU (and CUDA when pres
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -75,9 +76,22 @@ def run(engine: TorchEngine, request: GenerationRequest) -> tuple[list[int], str
 
 
 @pytest.fixture(scope="module")
-def engine_factory(stored_model_dir: Path):
-    def make(**config) -> TorchEngine:
-        return TorchEngine(stored_model_dir, TorchEngineConfig(**{"device": "cpu", **config}))
+def ll_tokenizer(stored_model_dir: Path, tokenizer):
+    from llgtrt_core.constraints import build_ll_tokenizer
+
+    vocab_size = json.loads((stored_model_dir / "config.json").read_text())["vocab_size"]
+    return build_ll_tokenizer(tokenizer, vocab_size, sorted(EOS))
+
+
+@pytest.fixture(scope="module")
+def engine_factory(stored_model_dir: Path, ll_tokenizer):
+    """Engines on cpu unless told; constrained=True attaches the llguidance mask post-processor."""
+    from llgtrt_core.constraints.postprocessor import MaskPostProcessor
+
+    def make(constrained: bool = False, **config) -> TorchEngine:
+        config = TorchEngineConfig(**{"device": "cpu", **config})
+        post_processor = MaskPostProcessor(ll_tokenizer, max_batch_size=config.max_batch_size) if constrained else None
+        return TorchEngine(stored_model_dir, config, post_processor)
 
     return make
 
@@ -187,25 +201,21 @@ def test_preempted_sequences_give_the_tokens_they_give_alone(engine_factory, tok
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
-def test_preemption_keeps_constrained_outputs_and_logprobs(stored_model_dir: Path, tokenizer, device: str) -> None:
+def test_preemption_keeps_constrained_outputs_and_logprobs(engine_factory, ll_tokenizer, tokenizer,
+                                                           device: str) -> None:
     """Six requests of up to ~100 positions share a 112-token cache, with overlapped steps and
     prompts prefilled 8 tokens a step: JSON-schema requests whose grammar forces tokens (fed a
     step later; on CPU) or whose sampled token is committed a step later (raw logprobs, or CUDA
     graphs: no fast-forward), prompt logprobs, seeded draws with penalties and min_tokens.
     Preempted and recomputed, each gets the tokens, logprobs and prompt logprobs it gets alone
     (none lost, none sent twice)."""
-    import json
-
-    from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
-    from llgtrt_core.constraints.postprocessor import MaskPostProcessor
+    from llgtrt_core.constraints import GrammarCompiler
     from llgtrt_core.constraints.request_grammar import json_schema_grammar
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                                "age": {"type": "integer"},
                                                "city": {"type": "string", "enum": ["Paris", "London", "Berlin"]}},
               "required": ["name", "age", "city"], "additionalProperties": False}
-    vocab_size = json.loads((stored_model_dir / "config.json").read_text())["vocab_size"]
-    ll_tokenizer = build_ll_tokenizer(tokenizer, vocab_size, sorted(EOS))
 
     def sampling(**extra) -> SamplingParams:
         return SamplingParams(**{"max_tokens": 80, "temperature": 0.0, "stop_token_ids": EOS, **extra})
@@ -223,10 +233,8 @@ def test_preemption_keeps_constrained_outputs_and_logprobs(stored_model_dir: Pat
 
     async def scenario():
         compiler = GrammarCompiler(ll_tokenizer)
-        engine = TorchEngine(stored_model_dir, TorchEngineConfig(device=device, dtype="float32", max_batch_size=4,
-                                                                 max_model_len=112, kv_cache_max_tokens=112,
-                                                                 overlap_steps=True, prefill_chunk_tokens=8),
-                             MaskPostProcessor(ll_tokenizer, max_batch_size=4))
+        engine = engine_factory(constrained=True, device=device, dtype="float32", max_batch_size=4,
+                                max_model_len=112, kv_cache_max_tokens=112, overlap_steps=True, prefill_chunk_tokens=8)
         await engine.start()
         try:
             grammar = await compiler.compile(json_schema_grammar(schema))
@@ -262,32 +270,25 @@ def test_preemption_keeps_constrained_outputs_and_logprobs(stored_model_dir: Pat
     assert [len(sum(result[3], [])) for result in together] == [0, prompt_lengths[1], prompt_lengths[2], 0, 0, 0]
 
 
-def test_a_prompt_preempted_mid_prefill_scores_its_prompt_once(stored_model_dir: Path, tokenizer) -> None:
+def test_a_prompt_preempted_mid_prefill_scores_its_prompt_once(engine_factory, ll_tokenizer, tokenizer) -> None:
     """An 80-token prompt asking for prompt logprobs is prefilled 2 tokens a step beside a running
     JSON request in a 192-token cache. Admission leaves room for a token a step, but the grammar
     forces a ~75-token constant at once (fast-forward) after a sampled 40-character name, taking
     the blocks back from the part-prefilled prompt, which later starts over. Its prompt logprobs,
     one per prompt token, and both requests' tokens are those they get alone."""
-    import json
-
-    from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
-    from llgtrt_core.constraints.postprocessor import MaskPostProcessor
+    from llgtrt_core.constraints import GrammarCompiler
     from llgtrt_core.constraints.request_grammar import json_schema_grammar
 
     constant = "The quick brown fox jumps over the lazy dog near the river bank. " * 5
     schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 40, "maxLength": 40},
                                                "motto": {"const": constant}},
               "required": ["name", "motto"], "additionalProperties": False}
-    vocab_size = json.loads((stored_model_dir / "config.json").read_text())["vocab_size"]
-    ll_tokenizer = build_ll_tokenizer(tokenizer, vocab_size, sorted(EOS))
     prompt = chat_prompt(tokenizer, "Summarize: " + "the fox and the dog by the river, " * 5)
 
     async def scenario():
         compiler = GrammarCompiler(ll_tokenizer)
-        engine = TorchEngine(stored_model_dir, TorchEngineConfig(device="cpu", max_batch_size=2, max_model_len=192,
-                                                                 kv_cache_max_tokens=192, overlap_steps=True,
-                                                                 prefill_chunk_tokens=2),
-                             MaskPostProcessor(ll_tokenizer, max_batch_size=2))
+        engine = engine_factory(constrained=True, max_batch_size=2, max_model_len=192, kv_cache_max_tokens=192,
+                                overlap_steps=True, prefill_chunk_tokens=2)
         await engine.start()
         try:
             grammar = await compiler.compile(json_schema_grammar(schema))

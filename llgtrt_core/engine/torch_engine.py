@@ -10,8 +10,8 @@ token. Finished or aborted sequences leave between steps and the last row moves 
 so running sequences always fill cache rows 0..n-1.
 
 KV memory is handed out in blocks as sequences grow (`kv_cache.py`). A waiting request is
-admitted when its prompt's blocks are free, with one block to spare per running sequence; when a
-running sequence needs a block and none is free, the most recently admitted sequence is
+admitted when its prompt's blocks are free, with room to spare for the running sequences' growth
+while it is prefilled; when a running sequence needs a block and none is free, the most recently admitted sequence is
 preempted: its blocks are freed and it waits at the head of the queue to be recomputed (its
 prompt and every token it has emitted prefilled again; nothing is emitted twice).
 
@@ -109,8 +109,12 @@ class TorchEngineConfig:
         fill masks while the forward pass runs): an OpenMP team stalls at every op while one of its
         threads waits for a core, which made 2-thread decode 3-7x slower than 1 thread on a busy
         2-core machine (docs/benchmarks/engine.md)."""
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return self.cpu_threads or max(1, cores - 1)
+        return self.cpu_threads or max(1, usable_cores() - 1)
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (a container's limit, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass
@@ -346,8 +350,7 @@ class TorchEngine(Engine):
     def _abort_now(self, request_id: str) -> None:
         if self._prefilling is not None and self._prefilling.request.request_id == request_id:
             self._prefilling.emit(TokenDelta(finish_reason="abort"))
-            self._prefilling = None
-            self.cache.free(self.cache.prefill_row)
+            self._release_prefilling()
             return
         for seq in self._waiting:
             if seq.request.request_id == request_id:
@@ -427,9 +430,7 @@ class TorchEngine(Engine):
     def _preempt(self, seq: _Sequence) -> None:
         """Free `seq`'s blocks and queue it first, to prefill again what it held (recompute)."""
         if seq is self._prefilling:
-            self._prefilling = None
-            held = self.cache.blocks_held(self.cache.prefill_row)
-            self.cache.free(self.cache.prefill_row)
+            held = self._release_prefilling()
         else:
             row = self._running.index(seq)
             held = self.cache.blocks_held(row)
@@ -443,6 +444,13 @@ class TorchEngine(Engine):
         if held:  # an admitted prompt still waiting for its first blocks lost nothing
             self.num_preemptions += 1
             metrics.preemptions.inc()
+
+    def _release_prefilling(self) -> int:
+        """Drop the prompt in progress and free the prefill row; the blocks it held."""
+        self._prefilling = None
+        held = self.cache.blocks_held(self.cache.prefill_row)
+        self.cache.free(self.cache.prefill_row)
+        return held
 
     def _plan_prefill(self) -> list[_Chunk]:
         """Admit waiting requests and pick this step's prompt chunks, in row order: whole prompts
