@@ -3,7 +3,8 @@
 Requests are built from MaskBench schemas (../shared/data/maskbench): the prompt asks for a JSON
 object and quotes the schema, and the constrained request adds it as
 `response_format: {"type": "json_schema", ...}`; otherwise the two are the same request (same
-prompt, max_tokens, greedy). Schemas are tried in a fixed shuffled order and kept when the server
+prompt, max_tokens, greedy). Schemas are drawn from the pool in an order shuffled by --seed (random
+by default, and printed), and kept when the server
 compiles them (a 400 means it refused one); these first requests (max_tokens 1) pay for the
 compile, which is reported apart as the first-sight TTFT, and they leave the grammars in the
 server's cache, as a schema that many requests share would be.
@@ -25,12 +26,13 @@ engine's mask-fill time per step from the server's /metrics (`llgtrt:grammar_mas
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 
@@ -59,14 +61,37 @@ MASK_FILL = "llgtrt:grammar_mask_fill_seconds"
 
 
 def schema_candidates(data: Path, max_chars: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
-    """(file name, schema) of MaskBench files whose schema text is at most `max_chars`, shuffled."""
+    """(file name, schema) of MaskBench schemas whose text is at most `max_chars`, shuffled by `seed`.
+    `data` is the MaskBench folder or a pool of it (`write_pool`: one {"name", "schema"} per line, gzip)."""
     candidates = []
-    for path in sorted(data.glob("*.json")):
-        schema = json.loads(path.read_text()).get("schema")
+    for name, schema in _read_schemas(data):
         if isinstance(schema, dict) and len(json.dumps(schema)) <= max_chars:
-            candidates.append((path.name, schema))
+            candidates.append((name, schema))
     random.Random(seed).shuffle(candidates)
     return candidates
+
+
+def _read_schemas(data: Path) -> Iterator[tuple[str, Any]]:
+    if data.is_dir():
+        for path in sorted(data.glob("*.json")):
+            yield path.name, json.loads(path.read_text()).get("schema")
+        return
+    with gzip.open(data, "rt") as lines:
+        for line in lines:
+            item = json.loads(line)
+            yield item["name"], item["schema"]
+
+
+def write_pool(data: Path, out: Path) -> int:
+    """Every MaskBench schema, without its test instances, in one gzip file (5 MB instead of 112):
+    what a device call carries, so each run still draws from the whole pool."""
+    count = 0
+    with gzip.open(out, "wt") as lines:
+        for name, schema in _read_schemas(data):
+            if isinstance(schema, dict):
+                lines.write(json.dumps({"name": name, "schema": schema}) + "\n")
+                count += 1
+    return count
 
 
 def chat_body(model: str, schema: dict[str, Any], max_tokens: int, constrained: bool) -> dict[str, Any]:
@@ -186,7 +211,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     batches = [int(b) for b in args.batch.split(",")]
-    candidates = schema_candidates(args.data, args.max_schema_chars, args.seed)
+    seed = args.seed if args.seed is not None else random.randrange(1 << 31)
+    print(f"seed {seed}", flush=True)
+    candidates = schema_candidates(args.data, args.max_schema_chars, seed)
     with server_url(args) as url:
         async with new_client(4, args.request_timeout) as client:
             model = await served_model(client, url)
@@ -213,7 +240,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     if args.plot:
         plot_tbt(rows, args.plot)
     print(f"load average after: {machine()}")
-    return {"client_processes": pool.processes, "schemas": [name for name, _ in schemas],
+    return {"seed": seed, "client_processes": pool.processes, "schemas": [name for name, _ in schemas],
             "first_sight_ttft": first_ttfts, "rows": rows}
 
 
@@ -225,10 +252,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--schemas", type=int, default=128, help="distinct schemas (at most the largest batch)")
     parser.add_argument("--max-schema-chars", type=int, default=1000, help="keeps the prompts short")
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="MaskBench folder or a .jsonl.gz pool")
+    parser.add_argument("--seed", type=int, default=None, help="schema draw (default: random, printed)")
+    parser.add_argument("--write-pool", type=Path, default=None,
+                        help="write every schema of --data to this .jsonl.gz and exit")
     parser.add_argument("--compile-budget", type=float, default=300, help="seconds for finding the schemas")
     parser.add_argument("--plot", type=Path, default=None, help="write the TBT distributions here (PNG)")
+    if "--write-pool" in sys.argv:
+        args, _ = parser.parse_known_args()
+        print(f"{write_pool(args.data, args.write_pool)} schemas written to {args.write_pool}")
+        return
     run_main(parser, main_async)
 
 

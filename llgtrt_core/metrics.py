@@ -149,6 +149,9 @@ class MeteredEngine(Engine):
     def num_active(self) -> int:
         return self.engine.num_active
 
+    def stats(self) -> dict[str, object]:
+        return self.engine.stats()
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         deltas = self.engine.generate(request)
         start = last = time.perf_counter()

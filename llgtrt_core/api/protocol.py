@@ -504,8 +504,16 @@ class ModelList(OpenAIResponseModel):
     data: list[ModelCard]
 
 
+class StepPhaseStats(OpenAIResponseModel):
+    count: int
+    wall_s: float
+    cpu_s: float  # CPU time of the thread that ran the phase; wall - cpu: waits (GPU, other threads, GIL)
+
+
 class EngineStats(OpenAIResponseModel):
     num_active: int  # engine requests submitted and not yet finished
+    num_steps: Optional[int] = None  # the embedded engine's steps so far
+    step_phases: dict[str, StepPhaseStats] = {}  # totals per phase of its step loop (llgtrt_core/engine/step_profile.py)
 
 
 # --------------------------------------------------------------------------- tokenize (vLLM's shapes)

@@ -30,6 +30,7 @@ from llguidance.torch import allocate_token_bitmask
 from llgtrt_core import metrics
 from llgtrt_core.constraints.grammar import GrammarConstraint
 from llgtrt_core.engine.interface import ConstrainedRow, Constraint
+from llgtrt_core.engine.step_profile import StepPhases
 from llgtrt_core.kernels import apply_token_bitmask_inplace
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class MaskPostProcessor:
         self._device_rows: Optional[torch.Tensor] = None
         self._copy_done: Optional[torch.cuda.Event] = None  # the last copy out of the host buffers
         self._eos_only = eos_only_mask(ll_tokenizer.eos_tokens, self._host_masks.shape[1])
+        self.phases = StepPhases()  # of `fill`, on whichever thread runs it
 
     def __call__(
         self,
@@ -65,8 +67,10 @@ class MaskPostProcessor:
         if self._copy_done is not None or count > self._capacity:
             self._reserve(count)
         start = time.perf_counter()
+        self.phases.begin()
         if count == 1:  # no thread hand-off for a lone row
             self._fill_one(rows[0])
+            self.phases.mark("one_row")
         elif count:
             self._fill_batch(rows)
         metrics.mask_fill_time.observe(time.perf_counter() - start)
@@ -158,6 +162,7 @@ class MaskPostProcessor:
                 for (j, token), ok in zip(pending, accepted):
                     if not ok:
                         self._reject(constraints[j], token)
+        self.phases.mark("commit")
         live = [(c.matcher, j) for j, c in enumerate(constraints) if c.error is None]
         try:
             if live:
@@ -166,10 +171,12 @@ class MaskPostProcessor:
             logger.exception("batched mask fill failed; filling row by row")
             for _, j in live:
                 self._compute_one(constraints[j], j)
+        self.phases.mark("masks")
         for j, constraint in enumerate(constraints):  # _settle, inlined: once per row per step
             if constraint.error is None and not constraint.matcher.is_error():
                 continue
             self._settle(constraint, j)
+        self.phases.mark("settle")
 
     def _consume_one(self, constraint: GrammarConstraint, token: int) -> bool:
         try:

@@ -199,3 +199,7 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def num_active(self) -> int:
         """Requests submitted and not yet finished (running or waiting)."""
+
+    def stats(self) -> dict[str, object]:
+        """Engine-specific counters for /v1/engine/stats (the embedded engine: its step phases)."""
+        return {}

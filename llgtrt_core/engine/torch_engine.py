@@ -70,6 +70,7 @@ from llgtrt_core.engine.interface import (
 from llgtrt_core.engine.decode_graphs import DecodeGraphs
 from llgtrt_core.engine.kv_cache import CUDA_MEMORY_FRACTION, KVCache
 from llgtrt_core.engine.sampler import BatchSampler, token_logprobs
+from llgtrt_core.engine.step_profile import StepPhases
 from llgtrt_core.kernels import int64_to_device
 from llgtrt_core.models.llama import LlamaForCausalLM, Segment
 from llgtrt_core.models.loader import load_config, load_model
@@ -193,6 +194,7 @@ class TorchEngine(Engine):
         self._fill_pool: Optional[ThreadPoolExecutor] = None  # runs the staged post-processor's fill
         self.num_steps = 0  # forward steps run: what fast-forward saves
         self.num_preemptions = 0
+        self.phases = StepPhases()  # the engine thread's step loop, phase by phase
 
     # ---- event-loop side -------------------------------------------------------------
 
@@ -233,6 +235,13 @@ class TorchEngine(Engine):
     @property
     def num_active(self) -> int:
         return len(self._active)
+
+    def stats(self) -> dict[str, object]:
+        phases = self.phases.snapshot()
+        fill_phases = getattr(self._staged, "phases", None)
+        if fill_phases is not None:
+            phases.update(fill_phases.snapshot("fill."))
+        return {"num_steps": self.num_steps, "step_phases": phases}
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -281,6 +290,7 @@ class TorchEngine(Engine):
         while True:
             if not self._drain_commands(block=self._idle()):
                 break
+            self.phases.begin()
             if self._idle():
                 self._record_state()  # aborts may have emptied the batch
                 self._deliver()
@@ -298,6 +308,7 @@ class TorchEngine(Engine):
                 self.cache.reset()
             self._record_state()
             self._deliver()
+            self.phases.mark("deliver")
         for seq in [*self._in_slots(), *self._waiting]:
             seq.emit(TokenDelta(finish_reason="abort"))
         self._deliver()
@@ -374,13 +385,16 @@ class TorchEngine(Engine):
         # Logits rows: the running sequences, then the prompts prefilled to their end this step.
         rows = [ConstrainedRow(seq.request.constraint, index, seq.uncommitted_token)
                 for index, seq in enumerate(self._running) if seq.request.constraint is not None]
+        self.phases.mark("schedule")
         # The host half of the constraint work runs while the forward pass does (the fill drops
         # the GIL); nothing else commits to a matcher until it is joined.
         fill = self._fill_pool.submit(self._staged.fill, rows) if rows and self._fill_pool is not None else None
         try:
             logits = self._forward(num_decoding, chunks)
+            self.phases.mark("forward")
         finally:
             fill_error = _wait(fill)
+        self.phases.mark("fill_wait")
         if logits is None:  # only part of a prompt ran: nothing to sample
             return
         masks, raw_logprobs = None, None
@@ -393,11 +407,15 @@ class TorchEngine(Engine):
             self.post_processor(rows, logits, self._stream())
         for row in rows:
             self._running[row.row].uncommitted_token = None
+        self.phases.mark("mask_upload")
         pending = self.sampler.sample_async(logits, raw_logprobs, masks)
+        self.phases.mark("sample")
         fed = self.overlap_steps
         if fed:  # the GPU decodes the sampled tokens while the host reads and hands them out
             self._ahead = self._decode_tokens(self._running, pending.tokens)
+            self.phases.mark("decode_ahead")
         sampled = pending.result()
+        self.phases.mark("gpu_wait")
         failed = {row.row for row in rows} if fill_error is not None else set()
         finished: list[int] = []
         for index, (seq, token, logprob) in enumerate(zip(self._running, sampled.token_ids, sampled.logprobs)):
@@ -410,6 +428,7 @@ class TorchEngine(Engine):
                 finished.append(index)
         for index in reversed(finished):
             self._remove(index)
+        self.phases.mark("advance")
 
     def _stream(self) -> Optional[torch.cuda.Stream]:
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
