@@ -26,9 +26,7 @@ from llgtrt_core.api.protocol import CompletionRequest
 from llgtrt_core.chat_template import ChatTemplate
 from llgtrt_core.config import TokenizerConfig, load_config
 from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
-from llgtrt_core.constraints.postprocessor import MaskPostProcessor
 from llgtrt_core.engine.factory import create_engine
-from llgtrt_core.kernels import cuda_kernel_available
 from llgtrt_core.runtime import ModelRuntime
 from llgtrt_core.tokenizer import Tokenizer
 from llgtrt_core.tools import detect_tool_format
@@ -96,20 +94,16 @@ class LLM:
             tokenizer = await asyncio.to_thread(Tokenizer, model_dir)
             apply_tokenizer_overrides(tokenizer, CONFIG.tokenizer)
             vocab_size = CONFIG.tokenizer.n_vocab_override or metadata["vocab_size"]
-            # One llguidance tokenizer per model, shared by the compiler and the mask filler;
-            # masks are as wide as the logits, so padded vocab ids exist and stay disallowed.
-            ll_tokenizer = await asyncio.to_thread(
-                build_ll_tokenizer, tokenizer.hf, vocab_size, sorted(tokenizer.eos_token_ids)
-            )
-            post_processor = MaskPostProcessor(ll_tokenizer, max_batch_size=CONFIG.runtime.max_batch_size)
-            # Build (or load the prebuilt) CUDA mask kernel now, not on the first constrained request.
-            await asyncio.to_thread(cuda_kernel_available)
+            # The llguidance tokenizer validates grammars here and names tokens in logprobs; masks are as
+            # wide as the logits, so padded vocab ids exist and stay disallowed.
+            eos_token_ids = sorted(tokenizer.eos_token_ids)
+            ll_tokenizer = await asyncio.to_thread(build_ll_tokenizer, tokenizer.hf, vocab_size, eos_token_ids)
             guidance = CONFIG.llguidance
             grammars = GrammarCompiler(ll_tokenizer, limits=dataclasses.asdict(guidance.limits),
                                        cache_size=guidance.grammar_cache_size, max_workers=guidance.compile_threads,
                                        log_level=guidance.log_level,
                                        json_whitespace_flexible=guidance.whitespace_flexible)
-            engine = metrics.MeteredEngine(create_engine(model_dir, metadata, CONFIG.runtime, post_processor,
+            engine = metrics.MeteredEngine(create_engine(model_dir, metadata, CONFIG, vocab_size, eos_token_ids,
                                                          tokenizer.hf.eos_token_id, grammars))
             await engine.start()
             name = CONFIG.model.served_model_name or stored.tag.name

@@ -133,8 +133,14 @@ class MeteredEngine(Engine):
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.vocab_size = engine.vocab_size
-        self.max_model_len = engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:  # type: ignore[override]
+        return self.engine.vocab_size
+
+    @property
+    def max_model_len(self) -> int:  # type: ignore[override]
+        return self.engine.max_model_len  # known once the engine started
 
     async def start(self) -> None:
         await self.engine.start()
@@ -149,8 +155,8 @@ class MeteredEngine(Engine):
     def num_active(self) -> int:
         return self.engine.num_active
 
-    def stats(self) -> dict[str, object]:
-        return self.engine.stats()
+    async def stats(self) -> dict[str, object]:
+        return await self.engine.stats()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         deltas = self.engine.generate(request)

@@ -69,6 +69,6 @@ def create_app(get_runtime: Callable[[], Optional[ModelRuntime]]) -> FastAPI:
 
     @app.get("/engine/stats", response_model=EngineStats)
     async def engine_stats(loaded: ModelRuntime = Depends(runtime)) -> EngineStats:
-        return EngineStats(num_active=loaded.engine.num_active, **loaded.engine.stats())
+        return EngineStats(num_active=loaded.engine.num_active, **await loaded.engine.stats())
 
     return app

@@ -12,10 +12,11 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
@@ -97,7 +98,7 @@ class _Failure:
 
 
 class GrammarCompiler:
-    """Compiles grammars for one tokenizer. Call `compile` from one event loop."""
+    """Compiles grammars for one tokenizer, with a cache shared by every thread that calls it."""
 
     def __init__(
         self,
@@ -107,14 +108,19 @@ class GrammarCompiler:
         max_workers: Optional[int] = None,
         log_level: int = 0,
         json_whitespace_flexible: bool = False,
+        on_miss: Optional[Callable[[str], None]] = None,
     ) -> None:
+        """on_miss(grammar): called when a grammar's compile starts (the service tells the engine
+        process, which compiles it too, so that both compiles run at once)."""
         self.tokenizer = ll_tokenizer
         self.json_whitespace_flexible = json_whitespace_flexible  # server default for JSON schemas
         self.limits = parser_limits(limits)
         self.cache_size = cache_size
         self.log_level = log_level  # llguidance's stderr logging: 0 silent, 1 warnings
+        self.on_miss = on_miss
         self._cache: OrderedDict[str, Union[CompiledGrammar, _Failure]] = OrderedDict()
         self._pending: dict[str, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()  # the cache and the pending compiles
         # LLMatcher construction drops the GIL: a few threads compile in parallel.
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_workers or min(4, os.cpu_count() or 1), thread_name_prefix="grammar"
@@ -126,19 +132,31 @@ class GrammarCompiler:
         Raises GrammarRequestError(param, llguidance's message) when the grammar is invalid
         or over the limits.
         """
-        result = self._cache.get(grammar)
-        if result is not None:
-            self._cache.move_to_end(grammar)
-        else:
+        # Shielded: one waiter's cancellation must not cancel the compile others share.
+        return self.checked(await asyncio.shield(asyncio.wrap_future(self.compile_future(grammar))), param)
+
+    def compile_future(self, grammar: str) -> concurrent.futures.Future:
+        """The compile's future (done at once on a cache hit), from any thread; one compile per text
+        however many requests wait on it. Its result goes through `checked`."""
+        with self._lock:
+            result = self._cache.get(grammar)
+            if result is not None:
+                self._cache.move_to_end(grammar)
+                future: concurrent.futures.Future = concurrent.futures.Future()
+                future.set_result(result)
+                return future
             future = self._pending.get(grammar)
-            if future is None:  # one compile per text however many requests wait on it
-                future = self._pool.submit(self._build, grammar)
-                self._pending[grammar] = future
-            try:  # shielded: one waiter's cancellation must not cancel the shared compile
-                result = await asyncio.shield(asyncio.wrap_future(future))
-            finally:
-                self._pending.pop(grammar, None)
-            self._remember(grammar, result)
+            if future is None:
+                future = self._pending[grammar] = self._pool.submit(self._build, grammar)
+                started = True
+            else:
+                started = False
+        if started and self.on_miss is not None:
+            self.on_miss(grammar)
+        return future
+
+    @staticmethod
+    def checked(result: Union[CompiledGrammar, _Failure], param: str) -> CompiledGrammar:
         if isinstance(result, _Failure):
             raise GrammarRequestError(param, result.message)
         return result
@@ -159,9 +177,16 @@ class GrammarCompiler:
     def _build(self, grammar: str) -> Union[CompiledGrammar, _Failure]:
         start = time.perf_counter()
         try:
-            return self._compile(grammar)
+            result = self._compile(grammar)
         finally:
             metrics.grammar_compile_time.observe(time.perf_counter() - start)
+        with self._lock:
+            self._pending.pop(grammar, None)
+            self._cache[grammar] = result
+            self._cache.move_to_end(grammar)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return result
 
     def _compile(self, grammar: str) -> Union[CompiledGrammar, _Failure]:
         try:
@@ -180,8 +205,3 @@ class GrammarCompiler:
             logger.info("grammar warnings: %s", "; ".join(warnings))
         return CompiledGrammar(grammar, matcher, warnings)
 
-    def _remember(self, grammar: str, result: Union[CompiledGrammar, _Failure]) -> None:
-        self._cache[grammar] = result
-        self._cache.move_to_end(grammar)
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)

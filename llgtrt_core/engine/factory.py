@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Sequence
 
-from llgtrt_core.config import RuntimeConfig
-from llgtrt_core.engine.interface import Engine, LogitsPostProcessor
+from llgtrt_core.config import Config
+from llgtrt_core.engine.interface import Engine
 
 if TYPE_CHECKING:
     from llgtrt_core.constraints.grammar import GrammarCompiler
@@ -17,24 +17,37 @@ TENSORRT_LLM_KINDS = ("tensorrt_llm", "tensorrt_llm_engine")
 def create_engine(
     model_dir: Path,
     metadata: dict[str, Any],
-    runtime: RuntimeConfig,
-    post_processor: Optional[LogitsPostProcessor],
-    eos_token_id: int,
-    grammars: Optional[GrammarCompiler] = None,  # TensorRT-LLM's worker processes rebuild with its settings
+    config: Config,
+    vocab_size: int,
+    eos_token_ids: Sequence[int],
+    eos_token_id: int,  # the tokenizer's own: TensorRT-LLM's end_id
+    grammars: GrammarCompiler,
 ) -> Engine:
+    """The embedded engine runs in a process of its own (`EngineCoreClient`), which builds its own
+    constraint stage; TensorRT-LLM runs in this one with a mask post-processor built here."""
+    runtime = config.runtime
     kind = metadata.get("engine", "pytorch")
     if kind == "pytorch":
-        from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig
+        from llgtrt_core.engine.core_client import EngineCoreClient
+        from llgtrt_core.engine.core_protocol import CoreSpec
+        from llgtrt_core.engine.torch_engine import TorchEngineConfig
 
-        config = TorchEngineConfig(max_batch_size=runtime.max_batch_size, max_model_len=runtime.max_model_len,
-                                   device=runtime.device, dtype=runtime.dtype, cpu_threads=runtime.cpu_threads,
-                                   prefill_chunk_tokens=runtime.prefill_chunk_tokens,
-                                   kv_cache_free_gpu_memory_fraction=runtime.kv_cache_free_gpu_mem_fraction,
-                                   kv_cache_max_tokens=runtime.kv_cache_max_tokens)
-        return TorchEngine(model_dir, config, post_processor)
+        engine_config = TorchEngineConfig(max_batch_size=runtime.max_batch_size, max_model_len=runtime.max_model_len,
+                                          device=runtime.device, dtype=runtime.dtype, cpu_threads=runtime.cpu_threads,
+                                          prefill_chunk_tokens=runtime.prefill_chunk_tokens,
+                                          kv_cache_free_gpu_memory_fraction=runtime.kv_cache_free_gpu_mem_fraction,
+                                          kv_cache_max_tokens=runtime.kv_cache_max_tokens)
+        client = EngineCoreClient(CoreSpec(str(model_dir), engine_config, vocab_size, tuple(eos_token_ids),
+                                           config.llguidance))
+        grammars.on_miss = client.precompile
+        return client
     if kind in TENSORRT_LLM_KINDS:
+        from llgtrt_core.constraints.postprocessor import MaskPostProcessor
         from llgtrt_core.engine.trtllm_engine import TrtLlmEngine, config_for_stored_model
+        from llgtrt_core.kernels import cuda_kernel_available
 
+        post_processor = MaskPostProcessor(grammars.tokenizer, max_batch_size=runtime.max_batch_size)
+        cuda_kernel_available()  # build (or load) the CUDA mask kernel now, not on the first constrained request
         trt_config = config_for_stored_model(
             model_dir,
             kind,

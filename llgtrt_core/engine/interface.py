@@ -200,6 +200,6 @@ class Engine(abc.ABC):
     def num_active(self) -> int:
         """Requests submitted and not yet finished (running or waiting)."""
 
-    def stats(self) -> dict[str, object]:
+    async def stats(self) -> dict[str, object]:
         """Engine-specific counters for /v1/engine/stats (the embedded engine: its step phases)."""
         return {}

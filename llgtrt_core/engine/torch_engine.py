@@ -162,7 +162,10 @@ class TorchEngine(Engine):
         config: TorchEngineConfig = TorchEngineConfig(),
         post_processor: Optional[LogitsPostProcessor] = None,
         model: Optional[LlamaForCausalLM] = None,  # already built, e.g. random weights for benchmarks
+        deliver: Optional[Callable[[list[tuple[object, TokenDelta]]], None]] = None,
     ):
+        """deliver: takes each step's (route, delta) pairs on the engine thread, the routes as given to
+        `submit`; default: `generate`'s, one wake-up of each consumer's event loop per step."""
         self.model_dir = Path(model_dir)
         self.config = config
         self.post_processor = post_processor
@@ -173,8 +176,9 @@ class TorchEngine(Engine):
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        # Deltas emitted by the engine thread since its last delivery: (event loop, queue, delta).
-        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, TokenDelta]] = []
+        # Deltas emitted by the engine thread since its last delivery: (route, delta).
+        self._outbox: list[tuple[object, TokenDelta]] = []
+        self._deliver_outbox = deliver or _deliver_to_event_loops
         self._active: set[str] = set()
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []  # index i occupies cache row i
@@ -236,7 +240,10 @@ class TorchEngine(Engine):
     def num_active(self) -> int:
         return len(self._active)
 
-    def stats(self) -> dict[str, object]:
+    async def stats(self) -> dict[str, object]:
+        return self.step_stats()
+
+    def step_stats(self) -> dict[str, object]:
         phases = self.phases.snapshot()
         fill_phases = getattr(self._staged, "phases", None)
         if fill_phases is not None:
@@ -246,23 +253,27 @@ class TorchEngine(Engine):
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
-        self._validate(request)
+    def submit(self, request: GenerationRequest, route: object) -> None:
+        """Queue `request` (any thread); its deltas reach `deliver` with `route`. Raises EngineError
+        for a request the engine cannot take."""
+        self.check(request)
         if self._thread is None:
             raise EngineError("the engine is not running")
-        loop = asyncio.get_running_loop()
-        deltas: asyncio.Queue[TokenDelta] = asyncio.Queue()
-
-        def emit(delta: TokenDelta) -> None:
-            self._outbox.append((loop, deltas, delta))
-
         generator = torch.Generator(self.device)
         if request.sampling.seed is None:
             generator.seed()
         else:
             generator.manual_seed(request.sampling.seed)
-        self._active.add(request.request_id)
+
+        def emit(delta: TokenDelta) -> None:  # engine thread only, like `_deliver`
+            self._outbox.append((route, delta))
+
         self._commands.put(("add", _Sequence(request, emit, generator)))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        deltas: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        self.submit(request, (asyncio.get_running_loop(), deltas))
+        self._active.add(request.request_id)
         finished = False
         try:
             while not finished:
@@ -274,7 +285,8 @@ class TorchEngine(Engine):
             if not finished:  # the consumer went away: free the slot
                 self.abort(request.request_id)
 
-    def _validate(self, request: GenerationRequest) -> None:
+    def check(self, request: GenerationRequest) -> None:
+        """Raises EngineError for a request this engine cannot take."""
         prompt_len = len(request.prompt_token_ids)
         if prompt_len == 0:
             raise EngineError("the prompt is empty")
@@ -317,21 +329,10 @@ class TorchEngine(Engine):
         self._waiting.clear()
 
     def _deliver(self) -> None:
-        """Hand the deltas of a step to their requests' queues with one wake-up per event loop, not
-        one per delta: at a few hundred streams the per-delta wake-ups (a self-pipe write and a
-        callback each) were the event loop's main cost, and the engine thread waits for the GIL
-        while the loop holds it."""
-        if not self._outbox:
-            return
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenDelta]]] = {}
-        for loop, deltas, delta in self._outbox:
-            by_loop.setdefault(loop, []).append((deltas, delta))
-        self._outbox = []
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the event loop is closed: nobody is listening any more
-                pass
+        """Hand the step's deltas on in one batch (see `_deliver_to_event_loops` for why)."""
+        if self._outbox:
+            outbox, self._outbox = self._outbox, []
+            self._deliver_outbox(outbox)
 
     def _idle(self) -> bool:
         return not self._running and not self._waiting and self._prefilling is None
@@ -731,6 +732,21 @@ def _prefill_passes(chunks: list[_Chunk]) -> list[list[_Chunk]]:
 
 def _scores_prompt(chunk: _Chunk) -> bool:
     return chunk.seq.prompt_logprobs is not None  # asked for, and not sent yet
+
+
+def _deliver_to_event_loops(outbox: list[tuple[object, TokenDelta]]) -> None:
+    """`generate`'s delivery: each route is (event loop, queue), and each loop gets one wake-up per
+    step, not one per delta: at a few hundred streams the per-delta wake-ups (a self-pipe write and
+    a callback each) were the event loop's main cost, and the engine thread waits for the GIL
+    while the loop holds it."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenDelta]]] = {}
+    for (loop, deltas), delta in outbox:  # type: ignore[misc]
+        by_loop.setdefault(loop, []).append((deltas, delta))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
 
 
 def _put_all(items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:

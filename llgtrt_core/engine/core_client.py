@@ -1,0 +1,206 @@
+"""The `Engine` the serving process uses for the embedded engine: a client of the engine process.
+
+The embedded engine, its grammar compiler and mask post-processor run in their own process
+(core_process.py), so the serving process's event loop (HTTP, SSE, templates, tokenizing,
+detokenizing) and the engine's step loop never wait for each other's GIL. A request goes over as
+its token ids, sampling parameters and grammar text (the serving process compiled that grammar to
+validate it; the engine process compiles it again, from its own cache, and a first sight starts
+both compiles at once). A reader thread takes each step's message off the socket and hands it to
+the event loop in one wake-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, AsyncIterator, Optional
+
+from llgtrt_core.engine.core_protocol import CoreSpec, DeltaRow, row_delta
+from llgtrt_core.engine.interface import Engine, EngineError, GenerationRequest, TokenDelta, next_delta
+
+logger = logging.getLogger(__name__)
+
+_STOP_TIMEOUT_S = 60
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder that holds llgtrt_core
+
+
+@dataclass
+class _Stream:
+    deltas: asyncio.Queue = field(default_factory=asyncio.Queue)  # "accepted", a rejection, then TokenDeltas
+    constraint: Any = None  # the serving process's GrammarConstraint: marked failed on a grammar error
+
+
+@dataclass(frozen=True)
+class _Rejected:
+    kind: str
+    message: str
+
+
+_ACCEPTED = object()
+
+
+class EngineCoreClient(Engine):
+    def __init__(self, spec: CoreSpec) -> None:
+        self.spec = spec
+        self.vocab_size = spec.vocab_size
+        self.max_model_len = 0  # the engine process tells
+        self._process: Optional[subprocess.Popen] = None
+        self._conn: Optional[Connection] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._streams: dict[str, _Stream] = {}
+        self._stats: dict[int, asyncio.Future] = {}
+        self._tokens = itertools.count()
+        self._lost: Optional[str] = None  # why the engine process is gone
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))}
+        self._process = subprocess.Popen([sys.executable, "-m", "llgtrt_core.engine.core_process", str(theirs.fileno())],
+                                         pass_fds=(theirs.fileno(),), env=env)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._conn.send(self.spec)
+        ready = await asyncio.to_thread(self._first_message)
+        if ready[0] != "ready":
+            raise EngineError(f"the engine process failed to start: {ready[1]}")
+        _, self.vocab_size, self.max_model_len = ready
+        threading.Thread(target=self._read, name="engine-core-reader", daemon=True).start()
+        logger.info("engine process %d ready", self._process.pid)
+
+    def _first_message(self) -> tuple:
+        while not self._conn.poll(1.0):
+            if self._process.poll() is not None:
+                return ("failed", f"exit code {self._process.returncode}")
+        return self._conn.recv()
+
+    async def shutdown(self) -> None:
+        if self._process is None:
+            return
+        if self._lost is None:
+            self._send(("stop",))
+        try:
+            await asyncio.to_thread(self._process.wait, _STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+        self._process = None
+
+    # ---- requests --------------------------------------------------------------------
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    def abort(self, request_id: str) -> None:
+        if self._lost is None:
+            self._send(("abort", request_id))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        """Yields an empty delta once the engine process took the request (the serving layer may then
+        answer 200), then its deltas; raises EngineError when it refused it."""
+        if self._lost is not None:
+            raise EngineError(self._lost)
+        rid = request.request_id
+        stream = self._streams[rid] = _Stream(constraint=request.constraint)
+        grammar = getattr(request.constraint, "grammar", None)
+        self._send(("add", rid, request.prompt_token_ids, request.sampling, grammar))
+        finished = False
+        try:
+            first = await stream.deltas.get()
+            if isinstance(first, _Rejected):
+                finished = True
+                raise EngineError(first.message)
+            if isinstance(first, TokenDelta):  # the engine process went away meanwhile
+                finished = True
+                yield first
+                return
+            yield TokenDelta()
+            while not finished:
+                delta = await next_delta(stream.deltas)
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:  # the consumer went away: free the slot
+                self.abort(rid)
+
+    async def stats(self) -> dict[str, object]:
+        if self._lost is not None:
+            return {}
+        token = next(self._tokens)
+        waiter = self._stats[token] = asyncio.get_running_loop().create_future()
+        self._send(("stats", token))
+        try:
+            return await asyncio.wait_for(waiter, 10)
+        finally:
+            self._stats.pop(token, None)
+
+    def precompile(self, grammar: str) -> None:
+        """A grammar the serving process started compiling: the engine process compiles it meanwhile."""
+        if self._lost is None and self._conn is not None:
+            self._send(("precompile", grammar))
+
+    # ---- the socket ------------------------------------------------------------------
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self._conn.send(message)
+        except OSError as e:  # the engine process died; the reader thread reports it
+            logger.error("sending to the engine process failed: %s", e)
+
+    def _read(self) -> None:
+        """Reader thread: each message to the event loop in one wake-up."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                code = self._process.poll() if self._process is not None else None
+                self._loop.call_soon_threadsafe(self._engine_lost, f"the engine process exited (code {code})")
+                return
+            self._loop.call_soon_threadsafe(self._on_message, message)
+
+    def _on_message(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "deltas":
+            rows: list[DeltaRow] = message[1]
+            for row in rows:
+                stream = self._streams.get(row[0])
+                if stream is None:  # aborted meanwhile
+                    continue
+                if row[6] and stream.constraint is not None:  # the grammar failed mid-generation
+                    stream.constraint.fail(row[3] or "grammar error")
+                stream.deltas.put_nowait(row_delta(row))
+        elif kind == "accepted":
+            stream = self._streams.get(message[1])
+            if stream is not None:
+                stream.deltas.put_nowait(_ACCEPTED)
+        elif kind == "rejected":
+            stream = self._streams.get(message[1])
+            if stream is not None:
+                stream.deltas.put_nowait(_Rejected(message[2], message[3]))
+        elif kind == "stats":
+            waiter = self._stats.get(message[1])
+            if waiter is not None and not waiter.done():
+                waiter.set_result(message[2])
+
+    def _engine_lost(self, why: str) -> None:
+        if self._lost is not None or self._process is None:  # a shutdown we asked for
+            return
+        logger.error("%s; failing its %d requests", why, len(self._streams))
+        self._lost = why
+        for stream in self._streams.values():
+            stream.deltas.put_nowait(TokenDelta(finish_reason="error", error=why))
+        for waiter in self._stats.values():
+            if not waiter.done():
+                waiter.set_exception(EngineError(why))
