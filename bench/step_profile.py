@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import collections
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -46,11 +47,7 @@ from http_load import (  # noqa: E402
     summarize,
 )
 
-# Frames that tell which thread a GIL sample came from (py-spy names threads by id only).
-THREAD_MARKERS = (("engine", "_loop (llgtrt_core/engine"), ("engine", "(llgtrt_core/engine/core"),
-                  ("mask fill", "fill (llgtrt_core/constraints"),
-                  ("event loop", "run_forever"), ("event loop", "_run_once"))
-
+THREAD_NAME = re.compile(r"thread \(\d+\): ([^;]*)")
 
 async def engine_stats(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
     return (await client.get(f"{url}/v1/engine/stats")).json()
@@ -89,9 +86,10 @@ def start_py_spy(pid: int, seconds: float, out: Path) -> Optional[subprocess.Pop
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def gil_profile(raw: Path, top: int = 12) -> dict[str, Any]:
-    """Samples holding the GIL, by thread kind, and the most frequent frames of ours per kind."""
-    by_thread: collections.Counter[str] = collections.Counter()
+def gil_profile(raw: Path, top: int = 8) -> dict[str, Any]:
+    """Samples holding the GIL, per process (each has its own GIL) and thread, and the most frequent
+    frames of ours per thread. Pool threads count under their pool's name."""
+    by_thread: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     frames: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     if not raw.exists():
         return {}
@@ -99,14 +97,14 @@ def gil_profile(raw: Path, top: int = 12) -> dict[str, Any]:
         stack, _, count_text = line.rpartition(" ")
         if not count_text.isdigit():
             continue
-        count = int(count_text)
-        kind = next((name for name, marker in THREAD_MARKERS if marker in stack), "other")
-        by_thread[kind] += count
+        process = "engine process" if "core_process" in stack.split(";", 1)[0] else "serving process"
+        name = THREAD_NAME.search(stack)
+        thread = re.sub(r"[-_]\d+$", "", name.group(1)) if name else "?"
+        by_thread[process][thread] += int(count_text)
         ours = [f for f in stack.split(";") if "llgtrt_core" in f]
-        leaf = ours[-1] if ours else stack.split(";")[-1]
-        frames[kind][leaf] += count
-    total = sum(by_thread.values())
-    return {"samples": total, "share": {k: v / max(total, 1) for k, v in by_thread.most_common()},
+        frames[f"{process}/{thread}"][ours[-1] if ours else stack.split(";")[-1]] += int(count_text)
+    return {"samples": {p: sum(c.values()) for p, c in by_thread.items()},
+            "share": {p: {t: n / sum(c.values()) for t, n in c.most_common()} for p, c in by_thread.items()},
             "top_frames": {k: c.most_common(top) for k, c in frames.items()}}
 
 
@@ -146,10 +144,12 @@ def print_phases(rows: list[dict[str, Any]]) -> None:
         f"{r['steps']}, {r['client']['tokens_per_s']:.0f}, {1e3 * r['client']['tbt_p50']:.2f}" for r in rows) + " |")
     for r in rows:
         if r.get("gil"):
-            share = ", ".join(f"{k} {v:.0%}" for k, v in r["gil"]["share"].items())
-            print(f"GIL samples, {r['kind']} round {r['round']}: {r['gil']['samples']} ({share})")
-            for kind, top in r["gil"]["top_frames"].items():
-                print(f"  {kind}: " + "; ".join(f"{frame} x{count}" for frame, count in top[:6]))
+            for process, share in r["gil"]["share"].items():
+                threads = ", ".join(f"{t} {v:.0%}" for t, v in share.items())
+                print(f"GIL samples, {r['kind']} round {r['round']}, {process}: {r['gil']['samples'][process]} "
+                      f"({threads})")
+            for thread, top in r["gil"]["top_frames"].items():
+                print(f"  {thread}: " + "; ".join(f"{frame} x{count}" for frame, count in top[:5]))
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
