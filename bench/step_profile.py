@@ -97,7 +97,9 @@ def gil_profile(raw: Path, top: int = 8) -> dict[str, Any]:
         stack, _, count_text = line.rpartition(" ")
         if not count_text.isdigit():
             continue
-        process = "engine process" if "core_process" in stack.split(";", 1)[0] else "serving process"
+        # --subprocesses nests a child's stacks under its parent's "process" frame.
+        processes = [f for f in stack.split(";") if f.startswith("process ")]
+        process = "engine process" if any("core_process" in f for f in processes) else "serving process"
         name = THREAD_NAME.search(stack)
         thread = re.sub(r"[-_]\d+$", "", name.group(1)) if name else "?"
         by_thread[process][thread] += int(count_text)

@@ -124,7 +124,7 @@ def test_greedy_tokens_equal_the_reference_forward(model_dir: Path, device: str)
     assert got == expected
     if device == "cuda":
         assert engine.decode_graphs is not None
-        assert {1, 3} <= set(engine.decode_graphs.graphs) <= {1, 2, 3}  # keyed by batch bucket alone
+        assert set(engine.decode_graphs.graphs) == {1, 2, 3}  # every batch bucket, captured at start
 
 
 @pytest.mark.parametrize("device", DEVICES)

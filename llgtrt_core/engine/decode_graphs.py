@@ -6,7 +6,7 @@ ops read each row's length (its position + 1) on the device, so one graph per ba
 serves every length. The graph reads its own copy of the block table, refreshed each step:
 padding rows feed token 0 at position 0 with a table row of scratch blocks
 (`kv_cache.SCRATCH_BLOCK`), which no sequence owns, so padding changes nothing a sequence
-reads. Graphs are captured lazily, the first time a bucket is seen, and share one memory pool.
+reads. Every bucket's graph is captured up front, when this is built, and they share one memory pool.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class DecodeGraphs:
         self.block_table = torch.full_like(cache.block_table[: cache.num_slots], SCRATCH_BLOCK)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by batch bucket
         self.pool = torch.cuda.graph_pool_handle()
+        self._capture_all()
 
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """LlamaForCausalLM.decode over the cache's first n rows, without its key_len: the graph's
@@ -49,11 +50,21 @@ class DecodeGraphs:
         self.token_ids[n:batch].zero_()
         self.positions[n:batch].zero_()
         self.block_table[n:batch].fill_(SCRATCH_BLOCK)
-        if batch not in self.graphs:
-            self.graphs[batch] = self._capture(batch)
         graph, logits = self.graphs[batch]
         graph.replay()
         return logits[:n]
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        """Capture every bucket, largest first (the shared pool is sized by the largest), with padding
+        inputs only, so no sequence's keys are touched. Captured lazily, each size a shrinking batch
+        reached for the first time stalled every running row (constrained rows, which end at different
+        steps, saw gaps of 0.3 s at 256 streams; docs/benchmarks/engine.md)."""
+        self.token_ids.zero_()
+        self.positions.zero_()
+        self.block_table.fill_(SCRATCH_BLOCK)
+        for batch in reversed(self.buckets):
+            self.graphs[batch] = self._capture(batch)
 
     def _capture(self, batch: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Run the step once eagerly (compiles the Triton kernels, warms up the allocator), then

@@ -217,7 +217,10 @@ class TorchEngine(Engine):
                                         self.max_model_len, self.dtype, self.device,
                                         self.config.kv_cache_free_gpu_memory_fraction, self.config.kv_cache_max_tokens)
         if self.device.type == "cuda" and self.config.cuda_graphs:
-            self.decode_graphs = DecodeGraphs(self.model, self.cache)
+            started = time.perf_counter()
+            self.decode_graphs = await asyncio.to_thread(DecodeGraphs, self.model, self.cache)
+            logger.info("captured %d decode graphs in %.1f s", len(self.decode_graphs.buckets),
+                        time.perf_counter() - started)
         if self._staged is not None:
             self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
