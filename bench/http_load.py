@@ -77,6 +77,7 @@ class StreamResult:
     chunks: int = 0  # chunks with content
     tokens: int = 0  # usage.completion_tokens (0 when the stream broke before it)
     finish_reason: Optional[str] = None
+    chunk_times: list[float] = field(default_factory=list)  # time.perf_counter of each content chunk
 
 
 async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> StreamResult:
@@ -111,6 +112,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any])
                             result.gaps.append(now - last)
                         last = now
                         result.chunks += 1
+                        result.chunk_times.append(now)
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result

@@ -116,7 +116,8 @@ mask_fill_time = DeferredHistogram(Histogram(
     "llgtrt:grammar_mask_fill_seconds",
     "One engine step's token-mask computation for all its constrained rows.",
     buckets=_MASK_FILL_BUCKETS))
-grammar_compile_time = Histogram("llgtrt:grammar_compile_seconds", "Compiling one grammar (cache misses).",
+grammar_compile_time = Histogram("llgtrt:grammar_compile_seconds", "Compiling one grammar (cache misses; the serving "
+                                 "process compiles to validate, the engine process to constrain).",
                                  buckets=_COMPILE_BUCKETS)
 requests_rejected = Counter("llgtrt:requests_rejected", "HTTP requests refused before reaching the engine.",
                             ["reason"])

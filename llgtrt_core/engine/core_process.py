@@ -4,7 +4,8 @@ the serving process (docs/architecture.md says why).
 Started by `EngineCoreClient` as `python -m llgtrt_core.engine.core_process FD`, FD one end of a
 socket pair. Its main thread reads messages (core_protocol.py) and hands them on; grammars compile
 on the compiler's threads; the engine thread runs the steps and sends each step's deltas in one
-message. It exits when asked to, or when the serving process goes away (end of file).
+message. It exits when asked to, or when the serving process goes away (end of file); signals
+to its process group leave it to the serving process to stop.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
@@ -130,6 +132,10 @@ class EngineCore:
 
 
 def main() -> None:
+    # A terminal's Ctrl+C and a SIGTERM to the server's process group reach this process too: the
+    # serving process stops it itself once its streams are drained ("stop", or end of file).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     conn = Connection(int(sys.argv[1]))
     spec: CoreSpec = conn.recv()
