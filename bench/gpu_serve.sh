@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED=1
 [ -d /tmp/llama-home/models/llama3-8b-random ] || python3 bench/random_checkpoint.py || return 1
 LLGTRT_MODEL=llama3-8b-random LLGTRT_MAX_BATCH_SIZE=${MAX_BATCH:-256} LLGTRT_MAX_MODEL_LEN=2048 \
     setsid bentoml serve . --host 127.0.0.1 --port 3000 > "${OUT:-/tmp}/server.log" 2>&1 &
-SERVER="http://127.0.0.1:3000"
+SERVER="http://127.0.0.1:3000" SERVER_GROUP=$!  # `kill -- -$SERVER_GROUP` stops it
 for _ in $(seq 300); do curl -sf "$SERVER/readyz" > /dev/null && break; sleep 1; done
 curl -sf "$SERVER/readyz" > /dev/null || { tail -50 "${OUT:-/tmp}/server.log"; return 1; }
 echo "server ready: $(date -u +%H:%M:%S)"
