@@ -6,7 +6,8 @@ object and quotes the schema, and the constrained request adds it as
 prompt, max_tokens, greedy). Schemas are drawn from the pool in an order shuffled by --seed (random
 by default, and printed), and kept when the server
 compiles them (a 400 means it refused one); these first requests (max_tokens 1) pay for the
-compile, which is reported apart as the first-sight TTFT, and they leave the grammars in the
+compile, which is reported apart as the first-sight TTFT (each after the same prompt unconstrained,
+which warms the server up for its shapes), and they leave the grammars in the
 server's cache, as a schema that many requests share would be.
 
 For each --batch B, each round sends B unconstrained requests at once and B constrained ones at
@@ -107,23 +108,26 @@ def chat_body(model: str, schema: dict[str, Any], max_tokens: int, constrained: 
 
 async def compiling_schemas(client: httpx.AsyncClient, url: str, model: str, count: int,
                             candidates: list[tuple[str, dict[str, Any]]], budget_s: float
-                            ) -> tuple[list[tuple[str, dict[str, Any]]], list[float], int]:
-    """The first `count` candidates the server accepts, the TTFTs of those first-sight requests
-    (grammar compile included), and how many it refused."""
+                            ) -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[float, float]], int]:
+    """The first `count` candidates the server accepts; for each, the TTFT of the same prompt sent
+    unconstrained and then with its schema seen for the first time (grammar compile included), both
+    max_tokens 1: the unconstrained one also warms the server up for that prompt's shapes, so the
+    difference is the compile's; and how many schemas the server refused."""
     kept, first_ttfts, refused = [], [], 0
     deadline = time.monotonic() + budget_s
     for name, schema in candidates:
         if len(kept) == count or time.monotonic() > deadline:
             break
+        plain = await stream_chat(client, url, chat_body(model, schema, 1, constrained=False))
         result = await stream_chat(client, url, chat_body(model, schema, 1, constrained=True))
-        if result.error is None and result.ttft is not None:
+        if result.error is None and result.ttft is not None and plain.ttft is not None:
             kept.append((name, schema))
-            first_ttfts.append(result.ttft)
+            first_ttfts.append((plain.ttft, result.ttft))
         elif result.error and result.error.startswith("HTTP 400"):
             refused += 1
             print(f"refused {name}: {result.error}", flush=True)
         else:
-            raise RuntimeError(f"{name}: {result.error or 'no content chunk'}")
+            raise RuntimeError(f"{name}: {result.error or plain.error or 'no content chunk'}")
     if len(kept) < count:
         raise RuntimeError(f"only {len(kept)} of {count} schemas compiled within {budget_s} s")
     return kept, first_ttfts, refused
@@ -245,9 +249,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             started = time.perf_counter()
             schemas, first_ttfts, refused = await compiling_schemas(
                 client, url, model, min(max(batches), args.schemas), candidates, args.compile_budget)
+            first_sight = [constrained for _, constrained in first_ttfts]
+            compile_added = [constrained - plain for plain, constrained in first_ttfts]
             print(f"{machine()}; {len(schemas)} schemas compiled ({refused} refused with 400) in "
                   f"{time.perf_counter() - started:.1f} s; first-sight TTFT (compile included) "
-                  f"p50 {ms(percentile(first_ttfts, 50))} ms, max {ms(max(first_ttfts))} ms", flush=True)
+                  f"p50 {ms(percentile(first_sight, 50))} ms, max {ms(max(first_sight))} ms; over the same prompt "
+                  f"unconstrained: p50 {ms(percentile(compile_added, 50))} ms, p90 "
+                  f"{ms(percentile(compile_added, 90))} ms", flush=True)
             pool = ClientProcesses(args.client_processes or default_processes(max(batches)), args.request_timeout)
             rows = []
             try:
@@ -266,7 +274,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         plot_tbt(rows, args.plot)
     print(f"load average after: {machine()}")
     return {"seed": seed, "client_processes": pool.processes, "schemas": [name for name, _ in schemas],
-            "first_sight_ttft": first_ttfts, "rows": rows}
+            "first_sight_ttft": first_ttfts, "rows": rows}  # (unconstrained, constrained) per schema
 
 
 def main() -> None:
