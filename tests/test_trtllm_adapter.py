@@ -595,6 +595,9 @@ def test_per_request_processor_pickles_to_plain_data_only():
     processor = RequestConstraintProcessor("session", "req-1", EOS, grammar)
     clone = pickle.loads(pickle.dumps(processor))
     assert (clone.session_id, clone.key, clone.end_id, clone.worker_grammar) == ("session", "req-1", EOS, grammar)
+    # unpickled where no session "session" exists, it is a worker's copy: it starts building the
+    # constraint at once (here it fails: there is no /models/x), off the caller's thread
+    assert isinstance(clone._worker_build.exception(timeout=120), OSError)
     # TensorRT-LLM pickles every request's processors, also at TP 1 without grammar settings
     bare = pickle.loads(pickle.dumps(RequestConstraintProcessor("session", "req-2", EOS)))
     assert (bare.key, bare.worker_grammar) == ("req-2", None)
