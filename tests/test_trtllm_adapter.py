@@ -914,3 +914,12 @@ def test_tensor_parallel_workers_import_llgtrt_core_and_mask_on_every_rank(fake_
     compiler.close()
     assert (reason, error) == ("stop", None) and len(hf.decode(tokens)) == 2 and set(hf.decode(tokens)) <= set("abc")
     assert submitted == [1, 10]  # the start-up request had every worker build its llguidance tokenizer
+
+
+def test_the_service_config_reaches_tensor_parallelism(tmp_path):
+    from llgtrt_core.config import RuntimeConfig
+    from llgtrt_core.engine.factory import create_engine
+
+    metadata = {"engine": "tensorrt_llm", "vocab_size": VOCAB, "context_length": 128}
+    engine = create_engine(tmp_path, metadata, RuntimeConfig(tensor_parallel_size=2), None, EOS)
+    assert engine.config.tensor_parallel_size == 2 and not engine.config.in_process
