@@ -778,7 +778,7 @@ def test_a_failed_constraint_forces_the_requests_own_end_token(backend):
 
         register_session("own-end", session)
         try:
-            session.requests.add("k", broken, prompt_len=1, end_id=258, once_per_step=True)
+            session.requests.add("k", broken, prompt_len=1, end_id=258)
             RequestConstraintProcessor("own-end", "k", 258)(1, logits, [[5]], None, None)
         finally:
             unregister_session("own-end")
@@ -825,19 +825,41 @@ def test_unconstrained_streams_survive_the_overlap_schedulers_lag(fake_trt, mode
     assert run(main()) == [([256, 257, 258, 259, 260], "stop", None), ([11, 12, 13, 14], "length", None)]
 
 
-def test_constraints_under_the_overlap_scheduler_end_with_an_error_not_wrong_masks(fake_trt, model_dir):
-    """Forced on, the overlap scheduler hands processors the sequence a step behind."""
+@pytest.mark.parametrize("overrides", [{"disable_overlap_scheduler": False},
+                                       {"extra_llm_args": {"disable_overlap_scheduler": False}}])
+def test_constrained_requests_are_refused_while_the_overlap_scheduler_is_on(fake_trt, model_dir, overrides):
+    """With it on, processors see each sequence a step behind (the fake lags as 1.2 does)."""
 
     async def main():
-        engine = make_engine(model_dir, "pytorch", RecordingPostProcessor(), disable_overlap_scheduler=False)
+        engine = make_engine(model_dir, "pytorch", RecordingPostProcessor(), **overrides)
         await engine.start()
-        result = await collect(engine, request("c", [10], max_tokens=20, constraint=regex_constraint("[a-c]{6}")))
-        await engine.shutdown()
-        return result
+        try:
+            assert engine._llm.kwargs["disable_overlap_scheduler"] is False
+            with pytest.raises(EngineError, match="overlap scheduler"):
+                await collect(engine, request("c", [10], max_tokens=20, constraint=regex_constraint("[a-c]{6}")))
+            return await collect(engine, request("free", [10], max_tokens=3))
+        finally:
+            await engine.shutdown()
 
-    tokens, reason, error = run(main())
-    assert reason == "error" and "overlap scheduler" in error
-    assert all(t in ABC for t in tokens)  # what was emitted still fits the grammar
+    assert run(main()) == ([11, 12, 13], "length", None)
+
+
+def test_a_prompt_prefilled_in_several_chunks_commits_nothing_twice():
+    """With chunked prefill a processor may be called once per prompt chunk before any token."""
+    postprocessor = RecordingPostProcessor()
+    from llgtrt_core.engine.trtllm_processors import register_session, unregister_session
+
+    session = _session(postprocessor)
+    register_session("chunks", session)
+    try:
+        tracked = session.requests.add("k", regex_constraint("[a-c]+"), prompt_len=3, end_id=EOS)
+        processor = RequestConstraintProcessor("chunks", "k", EOS)
+        for sequence in ([1, 2, 3], [1, 2, 3], [1, 2, 3, 97]):
+            processor(1, torch.randn(1, 1, VOCAB), [sequence], None, None)
+    finally:
+        unregister_session("chunks")
+    assert [rows for rows, _, _ in postprocessor.calls] == [[(0, None)], [(0, None)], [(0, 97)]]
+    assert tracked.error is None
 
 
 def test_pytorch_backend_processors_get_model_dtype_rows(fake_trt, model_dir):

@@ -283,10 +283,12 @@ class TrtLlmEngine(Engine):
 
     @property
     def overlap_scheduler_disabled(self) -> bool:
-        """PyTorch backend: whether the overlap scheduler is off (it must be for constraints)."""
-        if self.config.disable_overlap_scheduler is not None:
-            return self.config.disable_overlap_scheduler
-        return self.postprocessor is not None
+        """PyTorch backend: whether the overlap scheduler is off, as TensorRT-LLM gets it."""
+        config = self.config
+        chosen = config.disable_overlap_scheduler
+        if chosen is None:
+            chosen = self.postprocessor is not None  # off exactly when constrained requests can arrive
+        return bool(config.extra_llm_args.get("disable_overlap_scheduler", chosen))
 
     async def start(self) -> None:
         """Build the LLM on the event loop's thread: TensorRT-LLM may spawn MPI workers and
@@ -424,6 +426,10 @@ class TrtLlmEngine(Engine):
             return self._generate_async(prompt, TrtSamplingParams(**kwargs)), None
         if self.postprocessor is None:
             raise EngineError("this engine was built without a constraint post-processor")
+        if self.config.backend == "pytorch" and not self.overlap_scheduler_disabled:
+            # its processors would see each sequence a step behind and mask for the wrong state
+            raise EngineError("constrained requests need TensorRT-LLM's overlap scheduler off "
+                              "(disable_overlap_scheduler); this engine runs with it on")
         end_id = kwargs["end_id"]
         if self.batched_processor is not None:
             params = TrtSamplingParams(apply_batched_logits_processor=True, **kwargs)
@@ -436,7 +442,7 @@ class TrtLlmEngine(Engine):
         if not self.config.in_process and processor.worker_grammar is None:
             raise EngineError("constrained requests at tensor_parallel_size > 1 need the grammar text "
                               "and the engine built with the grammar compiler and tokenizer_dir")
-        self.constrained.add(key, constraint, len(prompt), end_id, once_per_step=True)
+        self.constrained.add(key, constraint, len(prompt), end_id)
         try:
             output = self._generate_async(prompt, TrtSamplingParams(logits_processor=processor, **kwargs))
         except BaseException:

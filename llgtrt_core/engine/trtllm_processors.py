@@ -22,9 +22,10 @@ the grammar text it carries, and masks through the same `MaskPostProcessor` code
 
 TensorRT-LLM reports sequences, not new tokens: the newest token is `token_ids[beam][-1]`, and
 it is committed to the constraint only when the sequence grew by one since the last call. A
-sequence that grew by more (several tokens per step) or, for a per-request processor, did not
-grow (the overlap scheduler's one-step lag) ends the request: its masks would be wrong. A
-request that ends that way, or whose constraint failed, gets its own end token only.
+sequence that grew by more (several tokens per step) ends the request: its masks would be
+wrong. So does the overlap scheduler's lag, which no processor can tell from a prefill chunk:
+the adapter refuses constrained requests while it is on. A request that ends, or whose
+constraint failed, gets its own end token only.
 """
 
 from __future__ import annotations
@@ -55,29 +56,20 @@ class TrackedConstraint:
     constraint: Constraint
     seen_len: int  # sequence length (prompt + generated) when the processor last ran
     end_id: int  # the request's own end token: what a failed constraint forces
-    once_per_step: bool = False  # per-request processors: exactly one call per step
     sync_error: Optional[str] = None  # set when TensorRT-LLM's tokens and ours diverged
-    calls: int = 0
 
     def advance(self, sequence: Sequence[int]) -> Optional[int]:
         """The token to commit this step: the newest one if exactly one was added since the
-        last call, None on the first call or a repeated call within the same step.
-
-        A per-request processor is called once per step, so a sequence that did not grow
-        since its last call means TensorRT-LLM's overlap scheduler is on (the processor sees
-        the sequence a step behind), and one that grew by more means several tokens per step
-        (speculative decoding): either way the masks would be wrong, so the request ends.
+        last call, None on the first call or a repeated call without a new token (another
+        prefill chunk of the prompt). A sequence that grew by more (several tokens per step,
+        as speculative decoding accepts drafts) would leave the masks wrong: the request ends.
         """
         grown = len(sequence) - self.seen_len
         self.seen_len = len(sequence)
-        self.calls += 1
         if grown == 1:
             return int(sequence[-1])
-        if grown > 1 or grown < 0:
+        if grown != 0:
             self.sync_error = f"constraint out of sync: the sequence grew by {grown} tokens in one step"
-        elif self.once_per_step and self.calls > 1:
-            self.sync_error = ("constraint out of sync: TensorRT-LLM ran a step without the previous step's token "
-                               "(its overlap scheduler is on: set disable_overlap_scheduler)")
         return None
 
     @property
@@ -98,10 +90,9 @@ class ConstrainedRequests:
         self.lock = threading.RLock()
         self._by_key: dict[Hashable, TrackedConstraint] = {}
 
-    def add(self, key: Hashable, constraint: Constraint, prompt_len: int, end_id: int,
-            once_per_step: bool = False) -> TrackedConstraint:
+    def add(self, key: Hashable, constraint: Constraint, prompt_len: int, end_id: int) -> TrackedConstraint:
         with self.lock:
-            tracked = TrackedConstraint(constraint, prompt_len, end_id, once_per_step)
+            tracked = TrackedConstraint(constraint, prompt_len, end_id)
             self._by_key[key] = tracked
             return tracked
 
@@ -395,7 +386,7 @@ class RequestConstraintProcessor:
     def _in_worker(self, prompt_len: int) -> tuple[LogitsPostProcessor, TrackedConstraint]:
         worker, constraint = self._worker_build.result()  # usually done: built while the prefill ran
         if self._worker_tracked is None:
-            self._worker_tracked = TrackedConstraint(constraint, prompt_len, self.end_id, once_per_step=True)
+            self._worker_tracked = TrackedConstraint(constraint, prompt_len, self.end_id)
         return worker.postprocessor, self._worker_tracked
 
 
