@@ -939,9 +939,12 @@ def test_tensor_parallel_workers_import_llgtrt_core_and_mask_on_every_rank(fake_
 
 
 def test_the_service_config_reaches_tensor_parallelism(tmp_path):
-    from llgtrt_core.config import RuntimeConfig
+    from llgtrt_core.config import Config, RuntimeConfig
     from llgtrt_core.engine.factory import create_engine
 
     metadata = {"engine": "tensorrt_llm", "vocab_size": VOCAB, "context_length": 128}
-    engine = create_engine(tmp_path, metadata, RuntimeConfig(tensor_parallel_size=2), None, EOS)
+    compiler = GrammarCompiler(BYTE_TOKENIZER)
+    config = Config(runtime=RuntimeConfig(tensor_parallel_size=2))
+    engine = create_engine(tmp_path, metadata, config, VOCAB, [EOS], EOS, compiler)
+    compiler.close()
     assert engine.config.tensor_parallel_size == 2 and not engine.config.in_process
