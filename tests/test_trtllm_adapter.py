@@ -906,8 +906,10 @@ def test_several_tokens_per_step_end_a_constrained_request_with_an_error(fake_tr
 
 def test_tensor_parallel_workers_import_llgtrt_core_and_mask_on_every_rank(fake_trt, tmp_path,
                                                                           smollm2_tokenizer_dir, monkeypatch):
-    """TP 2: the executor runs in a fresh worker process (no llgtrt_core on its path unless we put
-    it there), each rank unpickles and runs its own processors, which rebuild the constraint."""
+    """TP 2: the executor runs in a fresh worker process that gets only the environment (no
+    llgtrt_core on its path unless we put it there, as for processes a launcher starts; 1.2's
+    MpiPoolSession also passes sys.path), each rank unpickles and runs its own processors, which
+    rebuild the constraint."""
     from transformers import AutoTokenizer
 
     monkeypatch.delenv("PYTHONPATH", raising=False)

@@ -25,6 +25,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -218,10 +219,14 @@ def finish_reason_of(trt_reason: Optional[str]) -> tuple[FinishReason, Optional[
 
 
 def export_import_path() -> None:
-    """Put the directory holding llgtrt_core on PYTHONPATH, for the processes TensorRT-LLM spawns
-    (its MPI workers import what our pickled processors reference). A multi-node launch starts
-    them before us: the image sets PYTHONPATH for that case (docker/trtllm.Dockerfile.j2)."""
+    """Make the directory holding llgtrt_core importable in the processes TensorRT-LLM spawns (its
+    workers unpickle our processors): as an absolute sys.path entry, which 1.2's MpiPoolSession
+    hands its MPI workers (mpi4py's `path=sys.path`), and on PYTHONPATH, for spawns that pass the
+    environment only. A multi-node launch starts them before us: the image sets PYTHONPATH for
+    that case (docker/trtllm.Dockerfile.j2)."""
     root = str(Path(__file__).resolve().parents[2])
+    if root not in sys.path:
+        sys.path.append(root)
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
