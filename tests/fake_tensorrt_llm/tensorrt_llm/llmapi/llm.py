@@ -133,9 +133,7 @@ class _WorkerProcess:
         self._respond = respond
         self._lock = threading.Lock()
         self._replies: queue.Queue = queue.Queue()
-        self.errors: List[BaseException] = []
-        spec_fields = {k: v for k, v in asdict(spec).items()}
-        self._send((spec_fields, pickle.dumps(batched_processor) if batched_processor is not None else None))
+        self._send((asdict(spec), pickle.dumps(batched_processor) if batched_processor is not None else None))
         self._reader = threading.Thread(target=self._read, name="fake-trtllm-proxy", daemon=True)
         self._reader.start()
         if self._replies.get(timeout=120) != ("ready",):
