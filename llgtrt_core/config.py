@@ -58,6 +58,8 @@ class RuntimeConfig:
                                                       "fraction holds (PyTorch engine on cpu: the cache grows as "
                                                       "needed).")
     enable_kv_cache_reuse: bool = option(True, "TensorRT-LLM: reuse the KV cache of shared prompt prefixes.")
+    tensor_parallel_size: int = option(1, "TensorRT-LLM: GPUs one model is split over; above 1 its executor runs in "
+                                          "MPI worker processes (docs/tensorrt-llm.md, multi-GPU).")
     device: Optional[str] = option(None, "PyTorch engine: torch device; null: cuda when available, else cpu. "
                                          "Env LLGTRT_DEVICE.")
     dtype: Optional[str] = option(None, "PyTorch engine: weights and activations dtype (float32, bfloat16, "

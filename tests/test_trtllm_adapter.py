@@ -142,9 +142,46 @@ def test_penalties_pass_through_and_unsupported_controls_are_refused(fake_trt):
     fake_trt.SamplingParams(**kwargs)  # the names exist in TensorRT-LLM's SamplingParams
     neutral = trt_sampling_kwargs(SamplingParams(max_tokens=9), 9, EOS)
     assert not {"min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"} & set(neutral)
-    assert unsupported_sampling(ours) is None
-    assert "logit_bias" in unsupported_sampling(SamplingParams(max_tokens=1, logit_bias={5: 1.0}))
-    assert "logprobs" in unsupported_sampling(SamplingParams(max_tokens=1, logprobs=2))
+    assert unsupported_sampling(ours, torch_sampler=False) is None  # the C++ sampler honours them
+    for torch_sampler in (True, False):
+        assert "logit_bias" in unsupported_sampling(SamplingParams(max_tokens=1, logit_bias={5: 1.0}), torch_sampler)
+        assert "logprobs" in unsupported_sampling(SamplingParams(max_tokens=1, logprobs=2), torch_sampler)
+
+
+@pytest.mark.parametrize(
+    "controls, refused",
+    [
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"repetition_penalty": 1.2, "temperature": 0.0}, "repetition_penalty"),  # changes the argmax too
+        ({"min_tokens": 2, "temperature": 0.0}, "min_tokens"),
+        ({"min_p": 0.1}, "min_p"),
+        ({"seed": 7}, "seed"),
+        ({"min_p": 0.1, "temperature": 0.0}, None),  # no effect on an argmax
+        ({"seed": 7, "temperature": 0.0}, None),
+    ],
+)
+def test_what_torch_sampler_would_drop_is_refused_before_the_engine(fake_trt, model_dir, controls, refused):
+    """TensorRT-LLM 1.2's TorchSampler reads temperature, top_p and top_k only and draws from one
+    generator: a control it would drop is a 400 (EngineError), not a silent no-op."""
+
+    async def main(backend: str):
+        engine = make_engine(model_dir, backend)
+        await engine.start()
+        try:
+            return await collect(engine, request("r", [10], max_tokens=3, **{"temperature": 0.8, **controls}))
+        finally:
+            submitted = len(engine._llm.submitted)
+            await engine.shutdown()
+            assert submitted == (0 if refused and backend == "pytorch" else 1)
+
+    if refused is None:
+        assert run(main("pytorch"))[1] == "length"
+    else:
+        with pytest.raises(EngineError, match=refused):
+            run(main("pytorch"))
+    assert run(main("tensorrt"))[1] == "length"  # the TensorRT engine's sampler honours them
 
 
 def test_stop_tokens_pick_end_id_and_ignore_eos_without_any():
@@ -245,7 +282,7 @@ def test_abort_ends_the_stream_with_abort(fake_trt, model_dir):
         active_after = engine.num_active
         executor = engine._llm.fake_executor
         await asyncio.sleep(0.05)
-        leftover = len(executor._active) + len(executor._new)
+        leftover = executor.pending()
         await engine.shutdown()
         return seen, reasons, active_after, leftover
 
@@ -263,10 +300,10 @@ def test_closing_the_stream_early_aborts_the_request(fake_trt, model_dir):
         await stream.aclose()
         executor = engine._llm.fake_executor
         for _ in range(100):
-            if not executor._active and not executor._new:
+            if not executor.pending():
                 break
             await asyncio.sleep(0.01)
-        result = (first.token_ids, engine.num_active, len(executor._active) + len(executor._new))
+        result = (first.token_ids, engine.num_active, executor.pending())
         await engine.shutdown()
         return result
 
@@ -480,7 +517,7 @@ def test_a_failed_constraint_ends_its_request_with_an_error(fake_trt, model_dir,
 
 
 def _session(postprocessor) -> ProcessorSession:
-    return ProcessorSession(ConstrainedRequests(), postprocessor, EOS)
+    return ProcessorSession(ConstrainedRequests(), postprocessor)
 
 
 def _allowed(row: torch.Tensor) -> list[int]:
@@ -492,8 +529,8 @@ def test_batched_processor_masks_beam_rows_and_leaves_others(shared_buffer):
     postprocessor = RecordingPostProcessor()
     session = _session(postprocessor)
     processor = BatchedConstraintProcessor(session)
-    session.requests.add(7, regex_constraint("[a-c]+"), prompt_len=2)
-    session.requests.add(8, regex_constraint("[x-z]+"), prompt_len=2)
+    session.requests.add(7, regex_constraint("[a-c]+"), prompt_len=2, end_id=EOS)
+    session.requests.add(8, regex_constraint("[x-z]+"), prompt_len=2, end_id=EOS)
     if shared_buffer:  # how TensorRT-LLM hands them out: slices of one buffer
         buffer = torch.randn(3 * 2, VOCAB)
         logits = [buffer[i * 2 : (i + 1) * 2].unsqueeze(1) for i in range(3)]
@@ -515,7 +552,7 @@ def test_batched_processor_masks_beam_rows_and_leaves_others(shared_buffer):
 
 def test_out_of_sync_sequence_forces_the_end_token():
     session = _session(RecordingPostProcessor())
-    tracked = session.requests.add(7, regex_constraint("[a-c]+"), prompt_len=2)
+    tracked = session.requests.add(7, regex_constraint("[a-c]+"), prompt_len=2, end_id=EOS)
     logits = [torch.randn(1, 1, VOCAB)]
     BatchedConstraintProcessor(session)([1], logits, [[[1, 2, 97, 98]]], 0, [7])
     assert _allowed(logits[0][0, 0]) == [EOS]
@@ -525,7 +562,7 @@ def test_out_of_sync_sequence_forces_the_end_token():
 def test_cpu_logits_get_no_stream():
     postprocessor = RecordingPostProcessor()
     session = _session(postprocessor)
-    session.requests.add(7, regex_constraint("a"), prompt_len=1)
+    session.requests.add(7, regex_constraint("a"), prompt_len=1, end_id=EOS)
     BatchedConstraintProcessor(session)([1], [torch.randn(1, 1, VOCAB)], [[[5]]], 1234, [7])
     assert postprocessor.calls[0][2] is None
 
@@ -534,7 +571,7 @@ def test_cpu_logits_get_no_stream():
 def test_cuda_logits_are_masked_on_the_external_stream():
     postprocessor = RecordingPostProcessor()
     session = _session(postprocessor)
-    session.requests.add(7, regex_constraint("[a-c]+"), prompt_len=1)
+    session.requests.add(7, regex_constraint("[a-c]+"), prompt_len=1, end_id=EOS)
     side = torch.cuda.Stream()
     logits = [torch.randn(1, 1, VOCAB, device="cuda")]
     torch.cuda.synchronize()
@@ -555,11 +592,15 @@ def test_copy_mask_to_other_beams():
 def test_per_request_processor_pickles_to_plain_data_only():
     settings = GrammarSettings.of(GrammarCompiler(BYTE_TOKENIZER), "/models/x")
     grammar = WorkerGrammar("start: /[a-c]+/", settings)
-    processor = RequestConstraintProcessor("session", "req-1", grammar)
+    processor = RequestConstraintProcessor("session", "req-1", EOS, grammar)
     clone = pickle.loads(pickle.dumps(processor))
-    assert (clone.session_id, clone.key, clone.worker_grammar) == ("session", "req-1", grammar)
-    with pytest.raises(TypeError, match="grammar text"):
-        pickle.dumps(RequestConstraintProcessor("session", "req-2"))
+    assert (clone.session_id, clone.key, clone.end_id, clone.worker_grammar) == ("session", "req-1", EOS, grammar)
+    # unpickled where no session "session" exists, it is a worker's copy: it starts building the
+    # constraint at once (here it fails: there is no /models/x), off the caller's thread
+    assert isinstance(clone._worker_build.exception(timeout=120), OSError)
+    # TensorRT-LLM pickles every request's processors, also at TP 1 without grammar settings
+    bare = pickle.loads(pickle.dumps(RequestConstraintProcessor("session", "req-2", EOS)))
+    assert (bare.key, bare.worker_grammar) == ("req-2", None)
 
 
 def test_per_request_processor_leaves_a_request_that_ended_here_alone():
@@ -570,7 +611,7 @@ def test_per_request_processor_leaves_a_request_that_ended_here_alone():
     register_session("serving", _session(RecordingPostProcessor()))
     try:
         settings = GrammarSettings.of(GrammarCompiler(BYTE_TOKENIZER), "/nonexistent")
-        processor = RequestConstraintProcessor("serving", "gone", WorkerGrammar("start: /a/", settings))
+        processor = RequestConstraintProcessor("serving", "gone", EOS, WorkerGrammar("start: /a/", settings))
         logits = torch.randn(1, 1, VOCAB)
         untouched = logits.clone()
         processor(1, logits, [[5, 97]], None, None)
@@ -630,10 +671,10 @@ def test_constrained_requests_in_worker_processes_need_the_grammar_settings(fake
     run(main())
 
 
-def _worker_masks(settings: GrammarSettings, grammar: str, token: int, steps: int) -> list[list[int]]:
+def _worker_masks(settings: GrammarSettings, grammar: str, token: int, steps: int, end_id: int = 7) -> list[list[int]]:
     """The allowed tokens per step of a processor running where no session is registered (a
     TensorRT-LLM worker process), committing `token` each step."""
-    processor = RequestConstraintProcessor("not-registered", "k", WorkerGrammar(grammar, settings))
+    processor = RequestConstraintProcessor("not-registered", "k", end_id, WorkerGrammar(grammar, settings))
     processor = pickle.loads(pickle.dumps(processor))
     sequence, allowed = [0], []
     for _ in range(steps):
@@ -655,10 +696,257 @@ def test_a_worker_process_rebuilds_constraints_with_the_serving_processs_setting
 
     # the overridden logits width and EOS ids: "a" then the configured EOS tokens only
     assert _worker_masks(settings, LLMatcher.grammar_from_regex("a"), a, 2) == [[a], sorted(eos_override)]
-    # the configured parser limits: the ambiguous grammar fails (EOS only) within 60 tokens...
-    assert sorted(eos_override) in _worker_masks(settings, LLMatcher.grammar_from_lark(AMBIGUOUS), a, 60)
+    # the configured parser limits: the ambiguous grammar fails (the request's end token only) within 60 tokens...
+    assert [7] in _worker_masks(settings, LLMatcher.grammar_from_lark(AMBIGUOUS), a, 60)
     # ...where llguidance's defaults let it go on
     default_limits = GrammarSettings.of(GrammarCompiler(build_ll_tokenizer(hf, padded_vocab, eos_override)),
                                         str(smollm2_tokenizer_dir))
     assert all(a in allowed for allowed in _worker_masks(default_limits, LLMatcher.grammar_from_lark(AMBIGUOUS), a, 60))
     tight.close()
+
+
+# --- TensorRT-LLM 1.2 as its source reads (issue 21) -------------------------------------------
+
+
+def test_per_request_processors_survive_the_broadcast_at_tp1_without_grammar_settings(fake_trt, model_dir):
+    """1.2's executor broadcasts each new request's processors through MPIDist.broadcast, which
+    pickles them even at TP 1 in-process: a processor that cannot pickle fails the executor."""
+    postprocessor = RecordingPostProcessor()
+
+    async def main():
+        engine = make_engine(model_dir, "pytorch", postprocessor)  # no grammar compiler, as in test_trtllm_real
+        await engine.start()
+        result = await collect(engine, request("c", [10], max_tokens=20, constraint=regex_constraint("[a-c]{3}")))
+        errors = engine._llm.fake_executor.errors
+        await engine.shutdown()
+        return result, errors
+
+    result, errors = run(main())
+    assert errors == [] and result == ([97, 98, 99], "stop", None)
+    assert postprocessor.calls  # the unpickled copy found the serving process's session
+
+
+def test_generate_async_refusals_become_engine_errors(fake_trt, model_dir):
+    async def main():
+        # TensorRT-LLM's own limit (here set through extra_llm_args, unknown to our pre-check)
+        engine = make_engine(model_dir, "pytorch", extra_llm_args={"max_num_tokens": 16})
+        await engine.start()
+        errors = []
+        with pytest.raises(EngineError) as caught:
+            await collect(engine, request("long", [1] * 20))
+        errors.append(str(caught.value))
+        engine._llm.fake_executor.shutdown()
+        engine._llm._executor = None  # TensorRT-LLM shut down under us
+        with pytest.raises(EngineError) as caught:
+            await collect(engine, request("late", [1]))
+        errors.append(str(caught.value))
+        engine._llm = None
+        return errors
+
+    too_long, shut_down = run(main())
+    assert "max_num_tokens (16)" in too_long and "shutting down" in shut_down
+
+
+def test_prompts_over_max_num_tokens_are_refused_before_tensorrt_llm(fake_trt, model_dir):
+    async def main(**overrides):
+        engine = make_engine(model_dir, "pytorch", max_model_len=20_000, **overrides)
+        await engine.start()
+        try:
+            return await collect(engine, request("p", [1] * 8193, max_tokens=2))
+        finally:
+            submitted = len(engine._llm.submitted)
+            await engine.shutdown()
+            assert submitted == (1 if overrides else 0)
+
+    with pytest.raises(EngineError, match="max_num_tokens = 8192"):
+        run(main())
+    assert run(main(enable_chunked_prefill=True))[1] == "length"
+
+
+@pytest.mark.parametrize("backend", ["pytorch", "tensorrt"])
+def test_a_failed_constraint_forces_the_requests_own_end_token(backend):
+    """The EOS-only mask allows llguidance's EOS; TensorRT-LLM ends a request on its end_id only."""
+    session = _session(MaskPostProcessor(BYTE_TOKENIZER, num_threads=2))
+    broken = regex_constraint("[a-c]+")
+    broken.fail("parser limit")
+    logits = torch.randn(1, 1, VOCAB)
+    if backend == "tensorrt":
+        session.requests.add(7, broken, prompt_len=1, end_id=258)
+        BatchedConstraintProcessor(session)([1], [logits], [[[5]]], 0, [7])
+    else:
+        from llgtrt_core.engine.trtllm_processors import register_session, unregister_session
+
+        register_session("own-end", session)
+        try:
+            session.requests.add("k", broken, prompt_len=1, end_id=258)
+            RequestConstraintProcessor("own-end", "k", 258)(1, logits, [[5]], None, None)
+        finally:
+            unregister_session("own-end")
+    assert _allowed(logits[0, 0]) == [258]
+
+
+def test_a_failed_request_does_not_emit_its_forced_end_token(fake_trt, model_dir):
+    async def main():
+        engine = make_engine(model_dir, "pytorch", MaskPostProcessor(BYTE_TOKENIZER, num_threads=2))
+        await engine.start()
+        broken = regex_constraint("[a-c]{4}")
+        broken.fail("grammar blew a parser limit")
+        # 258 is the request's end token (its only stop token), not the engine's EOS
+        result = await collect(engine, request("bad", [10], max_tokens=20, constraint=broken,
+                                               stop_token_ids=frozenset({258})))
+        await engine.shutdown()
+        return result
+
+    assert run(main()) == ([], "error", "grammar blew a parser limit")
+
+
+def test_overlap_scheduler_is_disabled_only_when_constrained_requests_can_arrive(fake_trt, model_dir):
+    async def llm_kwargs(postprocessor=None, **overrides):
+        engine = make_engine(model_dir, "pytorch", postprocessor, **overrides)
+        await engine.start()
+        kwargs = engine._llm.kwargs
+        await engine.shutdown()
+        return kwargs["disable_overlap_scheduler"]
+
+    assert run(llm_kwargs()) is False  # nothing constrained: TensorRT-LLM keeps its overlap scheduler
+    assert run(llm_kwargs(RecordingPostProcessor())) is True
+    assert run(llm_kwargs(RecordingPostProcessor(), disable_overlap_scheduler=False)) is False
+
+
+def test_unconstrained_streams_survive_the_overlap_schedulers_lag(fake_trt, model_dir):
+    async def main():
+        engine = make_engine(model_dir, "pytorch")
+        await engine.start()
+        results = await asyncio.gather(collect(engine, request("a", [255], max_tokens=20)),
+                                       collect(engine, request("b", [10], max_tokens=4)))
+        await engine.shutdown()
+        return results
+
+    assert run(main()) == [([256, 257, 258, 259, 260], "stop", None), ([11, 12, 13, 14], "length", None)]
+
+
+@pytest.mark.parametrize("overrides", [{"disable_overlap_scheduler": False},
+                                       {"extra_llm_args": {"disable_overlap_scheduler": False}}])
+def test_constrained_requests_are_refused_while_the_overlap_scheduler_is_on(fake_trt, model_dir, overrides):
+    """With it on, processors see each sequence a step behind (the fake lags as 1.2 does)."""
+
+    async def main():
+        engine = make_engine(model_dir, "pytorch", RecordingPostProcessor(), **overrides)
+        await engine.start()
+        try:
+            assert engine._llm.kwargs["disable_overlap_scheduler"] is False
+            with pytest.raises(EngineError, match="overlap scheduler"):
+                await collect(engine, request("c", [10], max_tokens=20, constraint=regex_constraint("[a-c]{6}")))
+            return await collect(engine, request("free", [10], max_tokens=3))
+        finally:
+            await engine.shutdown()
+
+    assert run(main()) == ([11, 12, 13], "length", None)
+
+
+def test_a_prompt_prefilled_in_several_chunks_commits_nothing_twice():
+    """With chunked prefill a processor may be called once per prompt chunk before any token."""
+    postprocessor = RecordingPostProcessor()
+    from llgtrt_core.engine.trtllm_processors import register_session, unregister_session
+
+    session = _session(postprocessor)
+    register_session("chunks", session)
+    try:
+        tracked = session.requests.add("k", regex_constraint("[a-c]+"), prompt_len=3, end_id=EOS)
+        processor = RequestConstraintProcessor("chunks", "k", EOS)
+        for sequence in ([1, 2, 3], [1, 2, 3], [1, 2, 3, 97]):
+            processor(1, torch.randn(1, 1, VOCAB), [sequence], None, None)
+    finally:
+        unregister_session("chunks")
+    assert [rows for rows, _, _ in postprocessor.calls] == [[(0, None)], [(0, None)], [(0, 97)]]
+    assert tracked.error is None
+
+
+def test_pytorch_backend_processors_get_model_dtype_rows(fake_trt, model_dir):
+    """1.2's PyTorch backend hands each request (1, 1, V) rows of the model's (bfloat16) logits."""
+    real = MaskPostProcessor(BYTE_TOKENIZER, num_threads=2)
+    seen = []
+
+    def recording(rows, logits, stream=None):
+        seen.append((logits.dtype, tuple(logits.shape)))
+        real(rows, logits, stream)
+
+    async def main():
+        engine = make_engine(model_dir, "pytorch", recording)
+        await engine.start()
+        result = await collect(engine, request("c", [10], max_tokens=20, constraint=regex_constraint("[a-c]{2}")))
+        await engine.shutdown()
+        return result
+
+    assert run(main()) == ([97, 98], "stop", None)
+    assert set(seen) == {(torch.bfloat16, (1, VOCAB))}
+
+
+@pytest.mark.parametrize("backend", ["pytorch", "tensorrt"])
+def test_several_tokens_per_step_end_a_constrained_request_with_an_error(fake_trt, model_dir, backend, monkeypatch):
+    from tensorrt_llm._tensorrt_engine import LLM as TrtLLM
+
+    for cls in (fake_trt.LLM, TrtLLM):
+        monkeypatch.setattr(cls, "tokens_per_step", 2)
+
+    async def main():
+        engine = make_engine(model_dir, backend, RecordingPostProcessor())
+        await engine.start()
+        results = await asyncio.gather(
+            collect(engine, request("c", [10], max_tokens=20, constraint=regex_constraint("[a-c]{6}"))),
+            collect(engine, request("free", [10], max_tokens=6)),
+        )
+        await engine.shutdown()
+        return results
+
+    (tokens, reason, error), free = run(main())
+    assert reason == "error" and "grew by 2" in error
+    assert free == ([11, 12, 13, 14, 15, 16], "length", None)
+
+
+def test_tensor_parallel_workers_import_llgtrt_core_and_mask_on_every_rank(fake_trt, tmp_path,
+                                                                          smollm2_tokenizer_dir, monkeypatch):
+    """TP 2: the executor runs in a fresh worker process that gets only the environment (no
+    llgtrt_core on its path unless we put it there, as for processes a launcher starts; 1.2's
+    MpiPoolSession also passes sys.path), each rank unpickles and runs its own processors, which
+    rebuild the constraint."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    hf = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
+    ll_tokenizer = build_ll_tokenizer(hf, len(hf), [hf.eos_token_id])
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": ll_tokenizer.vocab_size}))
+    compiler = GrammarCompiler(ll_tokenizer)
+    prompt = hf.encode("hello")
+
+    async def main():
+        config = TrtLlmEngineConfig(model_dir=str(tmp_path), backend="pytorch", vocab_size=ll_tokenizer.vocab_size,
+                                    max_model_len=64, eos_token_id=hf.eos_token_id,
+                                    tokenizer_dir=str(smollm2_tokenizer_dir), tensor_parallel_size=2)
+        engine = TrtLlmEngine(config, MaskPostProcessor(ll_tokenizer, num_threads=2), compiler)
+        await engine.start()
+        try:
+            grammar = LLMatcher.grammar_from_regex("[a-c]{2}")
+            constraint = GrammarConstraint(LLMatcher(ll_tokenizer, grammar), grammar)
+            params = dict(stop_token_ids=frozenset({hf.eos_token_id}))
+            return await collect(engine, request("c", prompt, max_tokens=10, constraint=constraint, **params)), \
+                [p.max_tokens for p in engine._llm.submitted]
+        finally:
+            await engine.shutdown()
+
+    (tokens, reason, error), submitted = run(main())
+    compiler.close()
+    assert (reason, error) == ("stop", None) and len(hf.decode(tokens)) == 2 and set(hf.decode(tokens)) <= set("abc")
+    assert submitted == [1, 10]  # the start-up request had every worker build its llguidance tokenizer
+
+
+def test_the_service_config_reaches_tensor_parallelism(tmp_path):
+    from llgtrt_core.config import Config, RuntimeConfig
+    from llgtrt_core.engine.factory import create_engine
+
+    metadata = {"engine": "tensorrt_llm", "vocab_size": VOCAB, "context_length": 128}
+    compiler = GrammarCompiler(BYTE_TOKENIZER)
+    config = Config(runtime=RuntimeConfig(tensor_parallel_size=2))
+    engine = create_engine(tmp_path, metadata, config, VOCAB, [EOS], EOS, compiler)
+    compiler.close()
+    assert engine.config.tensor_parallel_size == 2 and not engine.config.in_process

@@ -59,6 +59,7 @@ def create_engine(
             kv_cache_free_gpu_memory_fraction=runtime.kv_cache_free_gpu_mem_fraction,
             kv_cache_max_tokens=runtime.kv_cache_max_tokens,
             enable_block_reuse=runtime.enable_kv_cache_reuse,
+            tensor_parallel_size=runtime.tensor_parallel_size,
         )
         return TrtLlmEngine(trt_config, post_processor, grammars)
     raise ValueError(f"stored model asks for engine {kind!r}; known: pytorch, {', '.join(TENSORRT_LLM_KINDS)}")

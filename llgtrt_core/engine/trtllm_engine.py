@@ -25,6 +25,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,7 @@ logger = logging.getLogger(__name__)
 Backend = Literal["pytorch", "tensorrt"]
 
 SINGLE_PROCESS_ENV = "TLLM_WORKER_USE_SINGLE_PROCESS"
+DEFAULT_MAX_NUM_TOKENS = 8192  # TorchLlmArgs' max_num_tokens when unset
 
 # TensorRT-LLM's CompletionOutput.finish_reason -> ours
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "cancelled": "abort"}
@@ -83,13 +85,22 @@ class TrtLlmEngineConfig:
     # TP 1: run TensorRT-LLM's executor in this process, so processors see our constraints
     single_process: bool = True
     # PyTorch backend: the overlap scheduler runs step N+1's forward before step N's tokens
-    # reach the requests, so a logits processor would see a sequence one token behind
-    disable_overlap_scheduler: bool = True
+    # reach the requests, so a logits processor would see a sequence one token behind.
+    # None: off exactly when constrained requests can arrive (the engine has a post-processor)
+    disable_overlap_scheduler: Optional[bool] = None
+    # PyTorch backend without chunked prefill: TensorRT-LLM refuses prompts over max_num_tokens
+    enable_chunked_prefill: bool = False
     extra_llm_args: dict[str, Any] = field(default_factory=dict)  # passed through to LLM(...)
 
     @property
     def in_process(self) -> bool:
         return self.single_process and self.tensor_parallel_size == 1
+
+    @property
+    def torch_sampler(self) -> bool:
+        """PyTorch backend sampling with TorchSampler (sampler_type 'auto' picks it without beam
+        search): temperature, top_p and top_k only, one generator for every request."""
+        return self.backend == "pytorch" and self.extra_llm_args.get("sampler_type", "auto") in ("auto", "TorchSampler")
 
 
 def config_for_stored_model(
@@ -164,6 +175,12 @@ _PASSED_THROUGH = (
     ("repetition_penalty", 1.0),
     ("min_tokens", 0),
 )
+# TensorRT-LLM 1.2's TorchSampler (PyTorch backend) reads only temperature, top_p and top_k
+# (`sampler._request_get_sampling_params`) and draws every request from one generator seeded 42;
+# its min-length check compares prompt + generated tokens and holds back end_id only. So these
+# would be dropped or misapplied: refused, each only where it changes the result.
+_TORCH_SAMPLER_LACKS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+_TORCH_SAMPLER_LACKS_WHEN_SAMPLING = ("min_p", "seed")  # no effect on an argmax
 
 
 def built_max_seq_len(engine_dir: str) -> Optional[int]:
@@ -173,12 +190,20 @@ def built_max_seq_len(engine_dir: str) -> Optional[int]:
     return config.get("build_config", {}).get("max_seq_len")
 
 
-def unsupported_sampling(sampling: SamplingParams) -> Optional[str]:
-    """What this adapter cannot honour yet (refused, never silently dropped)."""
+def unsupported_sampling(sampling: SamplingParams, torch_sampler: bool) -> Optional[str]:
+    """What the adapter or TensorRT-LLM's sampler cannot honour (refused, never silently dropped)."""
     if sampling.logit_bias:
         return "logit_bias is not supported with the TensorRT-LLM engine yet"
     if sampling.logprobs is not None or sampling.prompt_logprobs is not None:
         return "logprobs are not supported with the TensorRT-LLM engine yet"
+    neutral = dict(_PASSED_THROUGH, seed=None)
+    lacking = _TORCH_SAMPLER_LACKS + (() if sampling.greedy else _TORCH_SAMPLER_LACKS_WHEN_SAMPLING)
+    for name in lacking if torch_sampler else ():
+        if getattr(sampling, name) != neutral[name]:
+            return (f"{name} is not supported by TensorRT-LLM's PyTorch-backend sampler (TorchSampler); "
+                    "leave it unset, or serve with sampler_type TRTLLMSampler or a TensorRT engine")
+    if not torch_sampler and sampling.min_tokens and len(sampling.stop_token_ids) > 1:
+        return "min_tokens with more than one stop token is not supported with TensorRT-LLM (it holds back end_id only)"
     return None
 
 
@@ -191,6 +216,28 @@ def finish_reason_of(trt_reason: Optional[str]) -> tuple[FinishReason, Optional[
     if trt_reason == "timeout":
         return "error", "TensorRT-LLM timed the request out"
     return "error", f"TensorRT-LLM finished the request without a known reason ({trt_reason!r})"
+
+
+def export_import_path() -> None:
+    """Make the directory holding llgtrt_core importable in the processes TensorRT-LLM spawns (its
+    workers unpickle our processors): as an absolute sys.path entry, which 1.2's MpiPoolSession
+    hands its MPI workers (mpi4py's `path=sys.path`), and on PYTHONPATH, for spawns that pass the
+    environment only. A multi-node launch starts them before us: the image sets PYTHONPATH for
+    that case (docker/trtllm.Dockerfile.j2)."""
+    root = str(Path(__file__).resolve().parents[2])
+    if root not in sys.path:
+        sys.path.append(root)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
+
+
+@dataclass(frozen=True)
+class _WarmUpConstraint:
+    """The start-up request's constraint: a grammar any token satisfies, never failing."""
+
+    grammar: str
+    error: Optional[str] = None
 
 
 @dataclass
@@ -232,23 +279,49 @@ class TrtLlmEngine(Engine):
         self._running: dict[str, _Running] = {}
         self.batched_processor: Optional[BatchedConstraintProcessor] = None
         if postprocessor is not None:
-            session = ProcessorSession(self.constrained, postprocessor, config.eos_token_id)
+            session = ProcessorSession(self.constrained, postprocessor)
             register_session(self._session_id, session)
             if config.backend == "tensorrt" and config.in_process:
                 self.batched_processor = BatchedConstraintProcessor(session)
 
     # --- lifecycle ----------------------------------------------------------------------
 
+    @property
+    def overlap_scheduler_disabled(self) -> bool:
+        """PyTorch backend: whether the overlap scheduler is off, as TensorRT-LLM gets it."""
+        config = self.config
+        chosen = config.disable_overlap_scheduler
+        if chosen is None:
+            chosen = self.postprocessor is not None  # off exactly when constrained requests can arrive
+        return bool(config.extra_llm_args.get("disable_overlap_scheduler", chosen))
+
     async def start(self) -> None:
         """Build the LLM on the event loop's thread: TensorRT-LLM may spawn MPI workers and
-        install handlers, which it expects to do from the main thread. Blocks until loaded."""
+        install handlers, which it expects to do from the main thread. Blocks until loaded.
+        With worker processes, a one-token constrained request then makes each of them build
+        its llguidance tokenizer before the first real request needs it."""
         if self._llm is None:
             self._llm = self._build_llm()
+            if not self.config.in_process and self.postprocessor is not None and self.grammar_settings is not None:
+                await self._warm_up_workers()
+
+    async def _warm_up_workers(self) -> None:
+        from llguidance import LLMatcher
+
+        eos = self.config.eos_token_id
+        request = GenerationRequest(f"llgtrt-warm-up-{self._session_id}", [eos],
+                                    SamplingParams(max_tokens=1, temperature=0.0, stop_token_ids=frozenset({eos})),
+                                    _WarmUpConstraint(LLMatcher.grammar_from_regex("(.|\n)*")))
+        async for delta in self.generate(request):
+            if delta.finish_reason == "error":
+                raise EngineError(f"TensorRT-LLM's worker processes cannot run constrained requests: {delta.error}")
 
     def _build_llm(self) -> Any:
         config = self.config
         if config.in_process:
             os.environ.setdefault(SINGLE_PROCESS_ENV, "1")
+        else:  # TensorRT-LLM's worker processes unpickle our processors: they must import llgtrt_core
+            export_import_path()
         from tensorrt_llm.llmapi import KvCacheConfig
 
         kv_cache = {"free_gpu_memory_fraction": config.kv_cache_free_gpu_memory_fraction}
@@ -277,7 +350,9 @@ class TrtLlmEngine(Engine):
             from tensorrt_llm import LLM
 
             kwargs["max_seq_len"] = config.max_model_len  # sizes its KV cache and bounds every sequence
-            kwargs["disable_overlap_scheduler"] = config.disable_overlap_scheduler
+            kwargs["disable_overlap_scheduler"] = self.overlap_scheduler_disabled
+            if config.enable_chunked_prefill:
+                kwargs["enable_chunked_prefill"] = True
         kwargs.update(config.extra_llm_args)
         logger.info("loading TensorRT-LLM (%s backend) from %s", config.backend, config.model_dir)
         return LLM(config.model_dir, **kwargs)
@@ -344,39 +419,61 @@ class TrtLlmEngine(Engine):
         if request.request_id in self._running:
             raise EngineError(f"request id {request.request_id!r} is already running")
         prompt = list(request.prompt_token_ids)
-        if not prompt:
-            raise EngineError("the prompt is empty")
-        room = self.max_model_len - len(prompt)
-        if room <= 0:
-            raise EngineError(f"the prompt has {len(prompt)} tokens; the model takes at most {self.max_model_len - 1}")
+        self._check_prompt(prompt)
         from tensorrt_llm import SamplingParams as TrtSamplingParams
 
-        if (reason := unsupported_sampling(request.sampling)) is not None:
+        if (reason := unsupported_sampling(request.sampling, self.config.torch_sampler)) is not None:
             raise EngineError(reason)
+        room = self.max_model_len - len(prompt)
         kwargs = trt_sampling_kwargs(request.sampling, min(request.sampling.max_tokens, room), self.config.eos_token_id)
         constraint = request.constraint
         if constraint is None:
-            return self._llm.generate_async(prompt, TrtSamplingParams(**kwargs), streaming=True), None
+            return self._generate_async(prompt, TrtSamplingParams(**kwargs)), None
         if self.postprocessor is None:
             raise EngineError("this engine was built without a constraint post-processor")
+        if self.config.backend == "pytorch" and not self.overlap_scheduler_disabled:
+            # its processors would see each sequence a step behind and mask for the wrong state
+            raise EngineError("constrained requests need TensorRT-LLM's overlap scheduler off "
+                              "(disable_overlap_scheduler); this engine runs with it on")
+        end_id = kwargs["end_id"]
         if self.batched_processor is not None:
             params = TrtSamplingParams(apply_batched_logits_processor=True, **kwargs)
             with self.constrained.lock:  # registered before TensorRT-LLM can run a step for it
-                output = self._llm.generate_async(prompt, params, streaming=True)
-                self.constrained.add(output.request_id, constraint, len(prompt))
+                output = self._generate_async(prompt, params)
+                self.constrained.add(output.request_id, constraint, len(prompt), end_id)
             return output, output.request_id
         key = request.request_id
-        processor = RequestConstraintProcessor(self._session_id, key, self._worker_grammar(constraint))
+        processor = RequestConstraintProcessor(self._session_id, key, end_id, self._worker_grammar(constraint))
         if not self.config.in_process and processor.worker_grammar is None:
             raise EngineError("constrained requests at tensor_parallel_size > 1 need the grammar text "
                               "and the engine built with the grammar compiler and tokenizer_dir")
-        self.constrained.add(key, constraint, len(prompt))
+        self.constrained.add(key, constraint, len(prompt), end_id)
         try:
-            output = self._llm.generate_async(prompt, TrtSamplingParams(logits_processor=processor, **kwargs), streaming=True)
+            output = self._generate_async(prompt, TrtSamplingParams(logits_processor=processor, **kwargs))
         except BaseException:
             self.constrained.remove(key)
             raise
         return output, key
+
+    def _check_prompt(self, prompt: list[int]) -> None:
+        """What TensorRT-LLM would refuse in generate_async, said in our terms."""
+        if not prompt:
+            raise EngineError("the prompt is empty")
+        if len(prompt) >= self.max_model_len:
+            raise EngineError(f"the prompt has {len(prompt)} tokens; the model takes at most {self.max_model_len - 1}")
+        config = self.config
+        limit = config.max_num_tokens or DEFAULT_MAX_NUM_TOKENS
+        if config.backend == "pytorch" and not config.enable_chunked_prefill and len(prompt) > limit:
+            raise EngineError(f"the prompt has {len(prompt)} tokens; without chunked prefill TensorRT-LLM takes at "
+                              f"most max_num_tokens = {limit} in one step")
+
+    def _generate_async(self, prompt: list[int], params: Any) -> Any:
+        """TensorRT-LLM's generate_async; what it raises at once (a request it refuses: ValueError,
+        RequestError; shut down: RuntimeError) becomes an EngineError."""
+        try:
+            return self._llm.generate_async(prompt, params, streaming=True)
+        except (ValueError, RuntimeError) as error:  # RequestError is a RuntimeError
+            raise EngineError(f"TensorRT-LLM refused the request: {error}") from error
 
     def _worker_grammar(self, constraint: Any) -> Optional[WorkerGrammar]:
         grammar = getattr(constraint, "grammar", None)
@@ -393,7 +490,7 @@ class TrtLlmEngine(Engine):
         tracked = self.constrained.get(constraint_key) if constraint_key is not None else None
         if tracked is not None and tracked.error:
             output.abort()
-            if tokens and tokens[-1] == self.config.eos_token_id:
+            while tokens and tokens[-1] == tracked.end_id:
                 tokens.pop()  # forced by the processor to end the sequence, not generated
             return TokenDelta(tokens, "error", tracked.error), True
         if not output.finished:

@@ -8,7 +8,9 @@ expects to be modified in place:
   `(req_ids, logits: list of (beam, 1, V), token_ids: batch x beam x seq, stream_ptr, client_ids)`.
   All GPU work goes on `torch.cuda.ExternalStream(stream_ptr)`.
 - PyTorch backend: a per-request `RequestConstraintProcessor` in `SamplingParams.logits_processor`,
-  called as `(req_id, logits (beam, 1, V), token_ids: beam x seq, None, None)` on the current stream.
+  called once per step as `(req_id, logits (1, 1, V) in the model's dtype, token_ids: beam x seq,
+  None, None)` on the current stream, on every tensor-parallel rank. TensorRT-LLM pickles it with
+  every request, also at TP 1 in-process.
 
 Both find the request's `Constraint` in a `ConstrainedRequests` table living in this process,
 which works when TensorRT-LLM's executor runs in-process (TP 1 with
@@ -19,12 +21,16 @@ resolved vocab size, EOS ids, parser limits and log level; once per process) and
 the grammar text it carries, and masks through the same `MaskPostProcessor` code.
 
 TensorRT-LLM reports sequences, not new tokens: the newest token is `token_ids[beam][-1]`, and
-it is committed to the constraint only when the sequence grew since the last call, so a
-repeated call within one step never commits twice.
+it is committed to the constraint only when the sequence grew by one since the last call. A
+sequence that grew by more (several tokens per step) ends the request: its masks would be
+wrong. So does the overlap scheduler's lag, which no processor can tell from a prefill chunk:
+the adapter refuses constrained requests while it is on. A request that ends, or whose
+constraint failed, gets its own end token only.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -49,17 +55,21 @@ class TrackedConstraint:
 
     constraint: Constraint
     seen_len: int  # sequence length (prompt + generated) when the processor last ran
+    end_id: int  # the request's own end token: what a failed constraint forces
     sync_error: Optional[str] = None  # set when TensorRT-LLM's tokens and ours diverged
 
     def advance(self, sequence: Sequence[int]) -> Optional[int]:
         """The token to commit this step: the newest one if exactly one was added since the
-        last call, None on the first call or a repeated call within the same step."""
+        last call, None on the first call or a repeated call without a new token (another
+        prefill chunk of the prompt). A sequence that grew by more (several tokens per step,
+        as speculative decoding accepts drafts) would leave the masks wrong: the request ends.
+        """
         grown = len(sequence) - self.seen_len
         self.seen_len = len(sequence)
         if grown == 1:
             return int(sequence[-1])
         if grown != 0:
-            self.sync_error = f"constraint out of sync: sequence grew by {grown} tokens in one step"
+            self.sync_error = f"constraint out of sync: the sequence grew by {grown} tokens in one step"
         return None
 
     @property
@@ -80,9 +90,9 @@ class ConstrainedRequests:
         self.lock = threading.RLock()
         self._by_key: dict[Hashable, TrackedConstraint] = {}
 
-    def add(self, key: Hashable, constraint: Constraint, prompt_len: int) -> TrackedConstraint:
+    def add(self, key: Hashable, constraint: Constraint, prompt_len: int, end_id: int) -> TrackedConstraint:
         with self.lock:
-            tracked = TrackedConstraint(constraint, prompt_len)
+            tracked = TrackedConstraint(constraint, prompt_len, end_id)
             self._by_key[key] = tracked
             return tracked
 
@@ -100,11 +110,10 @@ class ConstrainedRequests:
 
 @dataclass
 class ProcessorSession:
-    """What an in-process processor needs: the table, our post-processor, the end token."""
+    """What an in-process processor needs: the table and our post-processor."""
 
     requests: ConstrainedRequests
     postprocessor: LogitsPostProcessor
-    end_id: int  # forced when tokens go out of sync, so TensorRT-LLM ends the sequence
 
 
 # session id -> session, for per-request processors that only carry the id (they are pickled
@@ -121,10 +130,24 @@ def unregister_session(session_id: str) -> None:
 
 
 def force_end(rows: torch.Tensor, end_id: int) -> None:
-    """Allow only `end_id` in these (n, V) logits rows: a failed constraint ends its sequence."""
+    """Allow only the request's `end_id` in these (n, V) logits rows, so TensorRT-LLM ends the
+    sequence at this step: a failed constraint's EOS-only mask allows llguidance's EOS tokens,
+    which need not be the request's end token (another stop token, or a model whose chat EOS
+    differs). The adapter never passes an end_id outside the vocabulary."""
     rows.fill_(NEG_INF)
-    if 0 <= end_id < rows.shape[-1]:
-        rows[:, end_id] = 0.0
+    rows[:, end_id] = 0.0
+
+
+def run_constrained(postprocessor: LogitsPostProcessor, entries: Sequence[tuple[TrackedConstraint, int, Optional[int]]],
+                    rows: torch.Tensor, stream: Optional[torch.cuda.Stream]) -> None:
+    """Mask `rows` (n, V) for (tracked, row, new_token) entries; a request whose tokens went out
+    of sync or whose constraint failed gets its own end token only."""
+    live = [ConstrainedRow(t.constraint, row, token) for t, row, token in entries if not t.sync_error]
+    if live:
+        postprocessor(live, rows, stream)
+    for tracked, row, _ in entries:
+        if tracked.error:
+            force_end(rows[row : row + 1], tracked.end_id)
 
 
 def copy_mask_to_other_beams(beams: torch.Tensor) -> None:
@@ -215,17 +238,10 @@ class BatchedConstraintProcessor:
         stream = torch.cuda.ExternalStream(stream_ptr) if logits[0].is_cuda and stream_ptr else None
         with _stream_context(stream):
             batch = _RowBatch(logits)
-            rows = []
-            for index, (entry, sequences) in enumerate(zip(tracked, token_ids)):
-                if entry is None:  # only constrained requests opt in; an unknown id is not ours
-                    continue
-                new_token = entry.advance(sequences[0])
-                if entry.sync_error:
-                    force_end(batch.rows[index : index + 1], self.session.end_id)
-                else:  # a failed constraint still goes in: the post-processor masks it to EOS
-                    rows.append(ConstrainedRow(entry.constraint, index, new_token))
-            if rows:
-                self.session.postprocessor(rows, batch.rows, stream)
+            entries = [(entry, index, entry.advance(sequences[0]))
+                       for index, (entry, sequences) in enumerate(zip(tracked, token_ids))
+                       if entry is not None]  # only constrained requests opt in; an unknown id is not ours
+            run_constrained(self.session.postprocessor, entries, batch.rows, stream)
             batch.write_back()
             for entry, per_request in zip(tracked, logits):
                 if entry is not None:
@@ -277,7 +293,7 @@ class _WorkerConstraints:
 
     tokenizer: Any  # llguidance.LLTokenizer
     limits: Any  # llguidance.LLParserLimits
-    session: ProcessorSession  # its table stays empty: each processor tracks its own request
+    postprocessor: LogitsPostProcessor
 
 
 @functools.lru_cache(maxsize=4)
@@ -291,37 +307,56 @@ def _worker_constraints(settings: GrammarSettings) -> _WorkerConstraints:
     hf_tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_dir)
     tokenizer = build_ll_tokenizer(hf_tokenizer, settings.vocab_size, settings.eos_token_ids)
     postprocessor = MaskPostProcessor(tokenizer, max_batch_size=1)  # called one request at a time
-    session = ProcessorSession(ConstrainedRequests(), postprocessor, settings.eos_token_ids[0])
-    return _WorkerConstraints(tokenizer, parser_limits(dict(settings.limits)), session)
+    return _WorkerConstraints(tokenizer, parser_limits(dict(settings.limits)), postprocessor)
+
+
+# A worker process builds each request's matcher (and, once, the tokenizer) here, from the moment
+# the request is unpickled at admission, so the build overlaps the step's forward instead of
+# running inside the processor call. One thread: builds never race for the cached tokenizer.
+_WORKER_BUILDS = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llgtrt-worker-grammar")
+
+
+def _build_in_worker(grammar: WorkerGrammar) -> tuple[_WorkerConstraints, Constraint]:
+    from llguidance import LLMatcher
+
+    from llgtrt_core.constraints.grammar import GrammarConstraint
+
+    worker = _worker_constraints(grammar.settings)
+    # built as the serving process's GrammarCompiler builds it, with the same settings
+    matcher = LLMatcher(worker.tokenizer, grammar.grammar, log_level=grammar.settings.log_level, limits=worker.limits)
+    return worker, GrammarConstraint(matcher, grammar.grammar)
 
 
 class RequestConstraintProcessor:
     """PyTorch backend (and TP > 1): one per constrained request, in its SamplingParams.
 
-    A `tensorrt_llm.sampling_params.LogitsProcessor` by signature. It pickles to its ids and
-    `WorkerGrammar` only: in this process it resolves the session and runs our post-processor
-    on the very `Constraint` the serving layer built; in a TensorRT-LLM worker process it
-    rebuilds that constraint from the grammar and settings and runs the same code on it. Masks
-    are filled one request at a time (TensorRT-LLM's PyTorch backend calls per-request
-    processors one after another).
+    A `tensorrt_llm.sampling_params.LogitsProcessor` by signature. TensorRT-LLM pickles it on
+    every request: to its worker processes, and even at TP 1 in-process, where its executor
+    broadcasts new requests with their processors through `MPIDist.broadcast` (which pickles
+    whenever the build has multi-device support). It pickles to its ids, end token and
+    `WorkerGrammar` (None when the engine has no grammar settings): in the serving process it
+    resolves the session and runs our post-processor on the very `Constraint` the serving layer
+    built; in a worker process it rebuilds that constraint from the grammar and settings and runs
+    the same code on it. Masks are filled one request at a time (TensorRT-LLM's PyTorch backend
+    calls per-request processors one after another).
     """
 
-    def __init__(self, session_id: str, key: Hashable, worker_grammar: Optional[WorkerGrammar] = None) -> None:
+    def __init__(self, session_id: str, key: Hashable, end_id: int, worker_grammar: Optional[WorkerGrammar] = None) -> None:
         self.session_id = session_id
         self.key = key
+        self.end_id = end_id
         self.worker_grammar = worker_grammar
+        self._worker_build: Optional[concurrent.futures.Future] = None
         self._worker_tracked: Optional[TrackedConstraint] = None
 
     def __getstate__(self) -> dict:
-        if self.worker_grammar is None:
-            raise TypeError(
-                "this constrained request cannot run in a TensorRT-LLM worker process: its constraint "
-                "carries no grammar text or the engine no grammar settings; run with tensor_parallel_size=1 in-process"
-            )
-        return {"session_id": self.session_id, "key": self.key, "worker_grammar": self.worker_grammar}
+        return {"session_id": self.session_id, "key": self.key, "end_id": self.end_id,
+                "worker_grammar": self.worker_grammar}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)
+        if self.session_id not in _SESSIONS and self.worker_grammar is not None:  # a worker process
+            self._worker_build = _WORKER_BUILDS.submit(_build_in_worker, self.worker_grammar)
 
     def __call__(
         self,
@@ -335,35 +370,24 @@ class RequestConstraintProcessor:
         sequence = token_ids[0]
         session = _SESSIONS.get(self.session_id)
         if session is not None:  # the serving process
-            tracked = session.requests.get(self.key)
+            postprocessor, tracked = session.postprocessor, session.requests.get(self.key)
             if tracked is None:
                 return  # the request already ended here (finished or aborted): its last logits do not matter
-        elif self.worker_grammar is not None:
+        elif self._worker_build is not None:
             # a worker process: the client then sees `stop` on a grammar error, which cannot travel back
-            session, tracked = self._in_worker(len(sequence))
+            postprocessor, tracked = self._in_worker(len(sequence))
         else:
             raise RuntimeError(f"constrained request {self.key!r} is unknown to this process")
         stream = torch.cuda.ExternalStream(stream_ptr) if stream_ptr else _current_stream(logits)
         with _stream_context(stream):
-            new_token = tracked.advance(sequence)
-            if tracked.sync_error:
-                force_end(beams[:1], session.end_id)
-            else:  # a failed constraint still goes in: the post-processor masks it to EOS
-                session.postprocessor([ConstrainedRow(tracked.constraint, 0, new_token)], beams[:1], stream)
+            run_constrained(postprocessor, [(tracked, 0, tracked.advance(sequence))], beams[:1], stream)
             copy_mask_to_other_beams(beams)
 
-    def _in_worker(self, prompt_len: int) -> tuple[ProcessorSession, TrackedConstraint]:
-        worker = _worker_constraints(self.worker_grammar.settings)
+    def _in_worker(self, prompt_len: int) -> tuple[LogitsPostProcessor, TrackedConstraint]:
+        worker, constraint = self._worker_build.result()  # usually done: built while the prefill ran
         if self._worker_tracked is None:
-            from llguidance import LLMatcher
-
-            from llgtrt_core.constraints.grammar import GrammarConstraint
-
-            grammar, settings = self.worker_grammar.grammar, self.worker_grammar.settings
-            # built as the serving process's GrammarCompiler builds it, with the same settings
-            matcher = LLMatcher(worker.tokenizer, grammar, log_level=settings.log_level, limits=worker.limits)
-            self._worker_tracked = TrackedConstraint(GrammarConstraint(matcher, grammar), prompt_len)
-        return worker.session, self._worker_tracked
+            self._worker_tracked = TrackedConstraint(constraint, prompt_len, self.end_id)
+        return worker.postprocessor, self._worker_tracked
 
 
 def _current_stream(logits: torch.Tensor) -> Optional[torch.cuda.Stream]:

@@ -1,49 +1,54 @@
-"""FAKE tensorrt_llm.llmapi.llm: LLM classes, RequestOutput and a toy executor thread.
+"""FAKE tensorrt_llm.llmapi.llm: LLM classes and RequestOutput over the fake executor.
 
 NOT NVIDIA's code. It mirrors what the adapter relies on in TensorRT-LLM 1.2:
 - `LLM(model, tokenizer=None, tokenizer_mode='auto', skip_tokenizer_init=False, ...,
   tensor_parallel_size=1, ..., **kwargs)`, unknown kwargs -> ValueError (TorchLlmArgs /
   TrtLlmArgs field sets, abridged); `generate_async(inputs, sampling_params, streaming=...)`;
   `shutdown()`.
-- Without a tokenizer, prompts must be token ids and `end_id` must be set (ValueError).
-- The executor runs on its own thread; the TensorRT backend calls the batched processor once a
-  step with `(req_ids, [(beam, 1, V)], token_ids, stream_ptr, client_ids)`, client id = the
-  LLM API request id, logits sliced out of one buffer; the PyTorch backend calls per-request
-  processors as `(req_id, (beam, 1, V), token_ids, None, None)` after checking they take 4-5
-  parameters. When TLLM_WORKER_USE_SINGLE_PROCESS is not "1" the sampling params are pickled
-  as the real IPC to the worker process would.
+- Where the executor runs (`GenerationExecutor.create`): in this process only with
+  TLLM_WORKER_USE_SINGLE_PROCESS=1 at tensor_parallel_size 1; otherwise in a worker process
+  (`_fake_worker`), to which each request is pickled.
+- `generate_async`'s synchronous checks: without a tokenizer `end_id` must be set
+  (ValueError); PyTorch backend without chunked prefill: a prompt over `max_num_tokens`
+  (default 8192) -> ValueError (`BaseLLM._check_arguments`); TensorRT engine backend: prompt
+  + max_tokens over the engine's build max_seq_len -> ValueError; after shutdown ->
+  RuntimeError.
 - Finish reasons: END_ID -> 'stop' (the end token stays in token_ids), a stop token ->
-  'stop' (trimmed), max_tokens -> 'length', abort -> 'cancelled'.
-- A step that raises (e.g. in a logits processor) fails every request in it: their iterators
-  raise `RequestError`, as TensorRT-LLM's results do through the executor's error handler.
+  'stop' (trimmed), max_tokens or max_seq_len -> 'length', abort -> 'cancelled'. A failed
+  request's iterator raises `RequestError`.
 
-The toy model reads `vocab_size` from `<model>/config.json`; its logits favour token
-(last + 1) % V, then (last + 2) % V, and so on.
+The toy model reads `vocab_size` from `<model>/config.json` (and a TensorRT engine's
+`build_config.max_seq_len`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import json
 import os
 import pickle
+import queue
+import subprocess
+import sys
+import tempfile
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
-import torch
-
+from tensorrt_llm._fake_executor import ExecutorSpec, FakeExecutor, Response
+from tensorrt_llm.executor.utils import RequestError
 from tensorrt_llm.sampling_params import SamplingParams
 
 _COMMON_ARGS = {
     "max_batch_size", "max_num_tokens", "max_seq_len", "kv_cache_config", "batched_logits_processor",
     "guided_decoding_backend", "enable_chunked_prefill", "max_beam_width", "backend",
 }
-_TORCH_ARGS = _COMMON_ARGS | {"disable_overlap_scheduler", "cuda_graph_config", "attn_backend"}
+_TORCH_ARGS = _COMMON_ARGS | {"disable_overlap_scheduler", "cuda_graph_config", "attn_backend", "sampler_type"}
 _TRT_ARGS = _COMMON_ARGS | {"build_config", "extended_runtime_perf_knob_config"}
+DEFAULT_MAX_NUM_TOKENS = 8192  # TorchLlmArgs / BuildConfig default
+FAKE_ROOT = Path(__file__).resolve().parents[2]  # what "installed" means for the worker process
 
 
 @dataclass
@@ -66,14 +71,10 @@ class CompletionOutput:
         return self.token_ids[self._last_token_ids_len:]
 
 
-class RequestError(RuntimeError):
-    """As tensorrt_llm.executor.utils.RequestError: a request the executor failed."""
-
-
 class RequestOutput:
     """Streaming result: the same object is updated by each response (as in the real API)."""
 
-    def __init__(self, request_id: int, prompt_token_ids: List[int], executor: "_FakeExecutor") -> None:
+    def __init__(self, request_id: int, prompt_token_ids: List[int], executor: Any) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.outputs = [CompletionOutput(0)]
@@ -88,17 +89,15 @@ class RequestOutput:
         return self._done
 
     def abort(self) -> None:
-        self._executor.abort_request(self.request_id)
+        self._executor.abort(self.request_id)
         self._aborted = True
 
     def aborted(self) -> bool:
         return self._aborted
 
-    def _deliver(self, tokens: List[int], final: bool, reason: Optional[str], trim: int) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, (tokens, final, reason, trim))
-
-    def _fail(self, error: BaseException) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, error)
+    def _deliver(self, response: Response) -> None:  # from the executor's thread
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, response)
 
     def __aiter__(self) -> "RequestOutput":
         return self
@@ -107,10 +106,10 @@ class RequestOutput:
         if self._done:
             raise StopAsyncIteration
         response = await self._queue.get()
-        if isinstance(response, BaseException):
+        if response[0] == "error":
             self._done = True
-            raise RequestError(str(response))
-        tokens, final, reason, trim = response
+            raise RequestError(response[1])
+        _, tokens, final, reason, trim = response
         output = self.outputs[0]
         output._last_token_ids_len = len(output.token_ids)
         output.token_ids.extend(tokens)
@@ -122,137 +121,67 @@ class RequestOutput:
         return self
 
 
-@dataclass
-class _Request:
-    id: int
-    prompt: List[int]
-    params: SamplingParams
-    output: RequestOutput
-    generated: List[int] = field(default_factory=list)
-    generator: Optional[torch.Generator] = None
-    cancelled: bool = False
+class _WorkerProcess:
+    """The executor in a worker subprocess; the same methods as FakeExecutor."""
 
+    def __init__(self, spec: ExecutorSpec, respond, batched_processor: Any) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAKE_ROOT), env.get("PYTHONPATH")) if p)
+        self._cwd = tempfile.TemporaryDirectory(prefix="fake-trtllm-worker-")
+        self._process = subprocess.Popen([sys.executable, "-m", "tensorrt_llm._fake_worker"], cwd=self._cwd.name,
+                                         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._respond = respond
+        self._lock = threading.Lock()
+        self._replies: queue.Queue = queue.Queue()
+        self._send((asdict(spec), pickle.dumps(batched_processor) if batched_processor is not None else None))
+        self._reader = threading.Thread(target=self._read, name="fake-trtllm-proxy", daemon=True)
+        self._reader.start()
+        if self._replies.get(timeout=120) != ("ready",):
+            raise RuntimeError("the fake worker process did not start")
 
-class _FakeExecutor:
-    """Runs every active request one token per step on a background thread."""
+    def _send(self, message: tuple) -> None:
+        with self._lock:
+            pickle.dump(message, self._process.stdin)
+            self._process.stdin.flush()
 
-    def __init__(self, vocab_size: int, backend: str, batched_processor: Any, beam_rows: int) -> None:
-        self.vocab_size = vocab_size
-        self.backend = backend
-        self.batched_processor = batched_processor
-        self.beam_rows = beam_rows
-        self.step_count = 0
-        self.errors: List[BaseException] = []
-        self._new: List[_Request] = []
-        self._active: List[_Request] = []
-        self._wake = threading.Condition()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="fake-trtllm-executor", daemon=True)
-        self._thread.start()
+    def _read(self) -> None:
+        while True:
+            try:
+                request_id, response = pickle.load(self._process.stdout)
+            except (EOFError, OSError, pickle.UnpicklingError):
+                return
+            if request_id is None:
+                self._replies.put(response)
+            else:
+                self._respond(request_id, response)
 
-    def enqueue(self, request: _Request) -> None:
-        with self._wake:
-            self._new.append(request)
-            self._wake.notify()
+    def submit(self, request_id: int, prompt: List[int], params: SamplingParams) -> None:
+        self._send(("submit", request_id, prompt, pickle.dumps(params)))  # the proxy's IPC pickles requests
 
-    def abort_request(self, request_id: int) -> None:
-        with self._wake:
-            for request in self._new + self._active:
-                if request.id == request_id:
-                    request.cancelled = True
-            self._wake.notify()
+    def abort(self, request_id: int) -> None:
+        self._send(("abort", request_id))
+
+    def pending(self) -> int:
+        self._send(("pending",))
+        return self._replies.get(timeout=30)[1]
 
     def shutdown(self) -> None:
-        with self._wake:
-            self._stopped = True
-            self._wake.notify()
-        self._thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        while True:
-            with self._wake:
-                while not self._stopped and not self._new and not self._active:
-                    self._wake.wait()
-                if self._stopped:
-                    return
-                self._active += self._new
-                self._new = []
-                batch = list(self._active)
-            try:
-                self._step(batch)
-            except BaseException as error:  # surfaced to tests through `errors`
-                self.errors.append(error)
-                for request in batch:
-                    request.output._fail(error)
-                with self._wake:
-                    self._active = []
-
-    def _logits(self, request: _Request) -> torch.Tensor:
-        last = (request.prompt + request.generated)[-1]
-        ranks = (torch.arange(self.vocab_size) - last - 1) % self.vocab_size
-        return (10.0 - ranks.float() * 0.01).clamp(min=0.0)
-
-    def _step(self, batch: List[_Request]) -> None:
-        self.step_count += 1
-        finished = []
-        for request in batch:
-            if request.cancelled:
-                request.output._deliver([], True, "cancelled", 0)
-                finished.append(request)
-        batch = [r for r in batch if r not in finished]
-        # one buffer, one (beam, 1, V) slice per request: as TensorRT-LLM hands them out
-        buffer = torch.stack([self._logits(r) for r in batch for _ in range(self.beam_rows)]) if batch else None
-        per_request = [buffer[i * self.beam_rows:(i + 1) * self.beam_rows].unsqueeze(1) for i in range(len(batch))]
-        token_ids = [[list(r.prompt + r.generated) for _ in range(self.beam_rows)] for r in batch]
-        batched = [i for i, r in enumerate(batch) if r.params.apply_batched_logits_processor]
-        if batched:
-            if self.backend != "tensorrt" or self.batched_processor is None:
-                raise RuntimeError("apply_batched_logits_processor needs a batched processor on the TensorRT backend")
-            self.batched_processor([batch[i].id for i in batched], [per_request[i] for i in batched],
-                                   [token_ids[i] for i in batched], 0, [batch[i].id for i in batched])
-        for i, request in enumerate(batch):
-            processors = request.params.logits_processor
-            for processor in ([processors] if processors and not isinstance(processors, list) else processors or []):
-                assert 4 <= len(inspect.signature(processor).parameters) <= 5
-                stream_ptr = 0 if self.backend == "tensorrt" else None
-                processor(request.id, per_request[i], token_ids[i], stream_ptr, None)
-        for i, request in enumerate(batch):
-            token = self._sample(request, per_request[i][0, 0])
-            request.generated.append(token)
-            params = request.params
-            end_id = -1 if params.ignore_eos else params.end_id
-            if token == end_id:
-                request.output._deliver([token], True, "stop", 0)
-            elif token in (params.stop_token_ids or []):
-                request.output._deliver([token], True, "stop", 0 if params.include_stop_str_in_output else 1)
-            elif len(request.generated) >= params.max_tokens:
-                request.output._deliver([token], True, "length", 0)
-            else:
-                request.output._deliver([token], False, None, 0)
-                continue
-            finished.append(request)
-        with self._wake:
-            self._active = [r for r in self._active if r not in finished]
-
-    @staticmethod
-    def _sample(request: _Request, logits: torch.Tensor) -> int:
-        params = request.params
-        if params._greedy_decoding:
-            return int(torch.argmax(logits))
-        scaled = logits / (params.temperature or 1.0)
-        if params.top_k:
-            cut = torch.topk(scaled, params.top_k).values[-1]
-            scaled = scaled.masked_fill(scaled < cut, float("-inf"))
-        return int(torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=request.generator))
+        try:
+            self._send(("shutdown",))
+            self._process.stdin.close()
+        except OSError:
+            pass
+        self._process.wait(timeout=30)
+        self._cwd.cleanup()
 
 
 class BaseLLM:
     _backend = "pytorch"
     _valid_args = _TORCH_ARGS
 
-    # test knobs, not TensorRT-LLM's: rows per request handed to processors; `submitted` holds
-    # each request's SamplingParams as the executor got them
+    # test knobs, not TensorRT-LLM's: rows per request handed to processors, tokens per step
     beam_rows = 1
+    tokens_per_step = 1
 
     def __init__(self, model, tokenizer=None, tokenizer_mode="auto", skip_tokenizer_init=False,
                  trust_remote_code=False, tensor_parallel_size=1, dtype="auto", revision=None,
@@ -264,23 +193,41 @@ class BaseLLM:
             raise NotImplementedError("the fake LLM has no tokenizer: pass skip_tokenizer_init=True")
         self.model = str(model)
         self.kwargs = dict(kwargs, tensor_parallel_size=tensor_parallel_size, skip_tokenizer_init=skip_tokenizer_init)
-        self.single_process = os.environ.get("TLLM_WORKER_USE_SINGLE_PROCESS") == "1"
-        vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         self.tokenizer = None
-        self._ids = itertools.count(1)
-        self.submitted: List[SamplingParams] = []
-        self._executor: Optional[_FakeExecutor] = _FakeExecutor(
-            vocab_size, self._backend, kwargs.get("batched_logits_processor"), self.beam_rows
+        config = json.loads((Path(model) / "config.json").read_text())
+        self.max_num_tokens = kwargs.get("max_num_tokens") or DEFAULT_MAX_NUM_TOKENS
+        self.enable_chunked_prefill = kwargs.get("enable_chunked_prefill", False)
+        if self._backend == "tensorrt":
+            self.max_seq_len = config.get("build_config", {}).get("max_seq_len")
+        else:
+            self.max_seq_len = kwargs.get("max_seq_len")
+        self.single_process = os.environ.get("TLLM_WORKER_USE_SINGLE_PROCESS") == "1" and tensor_parallel_size == 1
+        spec = ExecutorSpec(
+            vocab_size=config["vocab_size"], backend=self._backend, ranks=tensor_parallel_size,
+            beam_rows=self.beam_rows, tokens_per_step=self.tokens_per_step, max_seq_len=self.max_seq_len,
+            overlap=self._backend == "pytorch" and not kwargs.get("disable_overlap_scheduler", False),
         )
+        self._ids = itertools.count(1)
+        self._outputs: Dict[int, RequestOutput] = {}
+        self.submitted: List[SamplingParams] = []  # as the proxy got them, before any pickling
+        executor_kind = FakeExecutor if self.single_process else _WorkerProcess
+        self._executor: Any = executor_kind(spec, self._respond, kwargs.get("batched_logits_processor"))
 
     @property
-    def fake_executor(self) -> _FakeExecutor:
+    def fake_executor(self) -> Any:
         return self._executor
+
+    def _respond(self, request_id: int, response: Response) -> None:
+        output = self._outputs.get(request_id)
+        if output is not None:
+            output._deliver(response)
+            if response[0] == "error" or response[2]:
+                self._outputs.pop(request_id, None)
 
     def generate_async(self, inputs, sampling_params: Optional[SamplingParams] = None, lora_request=None,
                        prompt_adapter_request=None, streaming: bool = False, **kwargs: Any) -> RequestOutput:
         if self._executor is None:
-            raise RuntimeError("LLM is shutting down")
+            raise RuntimeError("LLM is shutting down or has been shut down")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if sampling_params.end_id is None and self.tokenizer is None:
@@ -288,21 +235,29 @@ class BaseLLM:
                              "or you can explicitly specify the end_id for sampling_params")
         if not (isinstance(inputs, list) and all(isinstance(t, int) for t in inputs)):
             raise TypeError(f"The inputs must be type str or list of int, but got {type(inputs)}")
-        if not self.single_process:  # the real proxy pickles the request to its worker process
-            sampling_params = pickle.loads(pickle.dumps(sampling_params))
+        prompt_len = len(inputs)
+        if self._backend == "pytorch" and not self.enable_chunked_prefill and prompt_len > self.max_num_tokens:
+            raise ValueError(f"The sum of prompt length ({float(prompt_len)}), query length (0) should not exceed "
+                             f"max_num_tokens ({self.max_num_tokens})")
+        if (self._backend == "tensorrt" and self.max_seq_len
+                and prompt_len + sampling_params.max_tokens > self.max_seq_len):
+            raise ValueError(f"The sum of prompt length ({float(prompt_len)}) and query length (0) max_tokens "
+                             f"({sampling_params.max_tokens}) should not exceed max_seq_len ({self.max_seq_len})")
         self.submitted.append(sampling_params)
         request_id = next(self._ids)
         output = RequestOutput(request_id, list(inputs), self._executor)
-        generator = None
-        if sampling_params.seed is not None:
-            generator = torch.Generator().manual_seed(sampling_params.seed)
-        self._executor.enqueue(_Request(request_id, list(inputs), sampling_params, output, generator=generator))
+        self._outputs[request_id] = output
+        try:
+            self._executor.submit(request_id, list(inputs), sampling_params)
+        except BaseException:
+            self._outputs.pop(request_id, None)
+            raise
         return output
 
     def shutdown(self) -> None:
         if self._executor is not None:
-            self._executor.shutdown()
-            self._executor = None
+            executor, self._executor = self._executor, None
+            executor.shutdown()
 
 
 class _TorchLLM(BaseLLM):

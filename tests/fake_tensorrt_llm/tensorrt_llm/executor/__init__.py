@@ -1,0 +1,1 @@
+"""FAKE tensorrt_llm.executor for adapter unit tests."""
