@@ -3,7 +3,8 @@
 `bentoml serve .` starts it, configured by the JSON5 files LLGTRT_CONFIG names and LLGTRT_* variables
 (llgtrt_core/config.py, docs/configuration.md). The model comes from the BentoML model store (default
 the SmolLM2-135M-Instruct pack, created on first start when the store has none). The engine the
-stored model's metadata names runs in-process; the OpenAI API is mounted at /v1 and a streaming
+stored model's metadata names runs in a process of its own (the embedded engine) or in this one
+(TensorRT-LLM, which runs its own executor); the OpenAI API is mounted at /v1 and a streaming
 `generate` method serves bentoml's own clients.
 """
 
