@@ -117,7 +117,7 @@ class LLM:
             logger.exception("loading the model failed; /readyz stays 503")
 
     def __is_ready__(self) -> bool:
-        return self.runtime is not None
+        return self.runtime is not None and self.runtime.engine.failure is None
 
     @bentoml.on_shutdown
     async def stop(self) -> None:

@@ -156,6 +156,10 @@ class MeteredEngine(Engine):
     def num_active(self) -> int:
         return self.engine.num_active
 
+    @property
+    def failure(self) -> Optional[str]:
+        return self.engine.failure
+
     async def stats(self) -> dict[str, object]:
         return await self.engine.stats()
 

@@ -17,7 +17,8 @@ import anyio
 
 from llgtrt_core.api.errors import APIError
 from llgtrt_core.detokenizer import IncrementalDetokenizer
-from llgtrt_core.engine.interface import Engine, EngineError, GenerationRequest, TokenDelta, TokenLogprob
+from llgtrt_core.engine.interface import (Engine, EngineError, EngineUnavailable, GenerationRequest, TokenDelta,
+                                          TokenLogprob)
 from llgtrt_core.stop_strings import StopStringMatcher
 from llgtrt_core.tokenizer import Tokenizer
 
@@ -38,6 +39,13 @@ def generation_failure(request: GenerationRequest, delta: TokenDelta) -> APIErro
     if constraint is not None and constraint.error is not None:
         return APIError(f"the output constraint failed during generation: {constraint.error}", code="grammar_error")
     return GenerationFailed(delta.error or f"the engine ended the request ({delta.finish_reason})")
+
+
+def engine_refusal(error: EngineError) -> APIError:
+    """The request's fault (400), unless the engine can take no request at all (503)."""
+    if isinstance(error, EngineUnavailable):
+        return APIError(str(error), status_code=503)
+    return APIError(str(error))
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,7 @@ async def run_choice(
     try:
         deltas: AsyncIterator[TokenDelta] = engine.generate(request)
     except EngineError as e:  # the engine refused the request (it checks what we could not)
-        raise APIError(str(e)) from e
+        raise engine_refusal(e) from e
     num_generated = 0
     pending = _PendingTokens()
     try:
@@ -101,7 +109,7 @@ async def run_choice(
                 yield pending.update(index, text, None, num_generated)
         raise GenerationFailed("the engine stream ended without a finish reason")
     except EngineError as e:  # raised on the first step when generate() is an async generator
-        raise APIError(str(e)) from e
+        raise engine_refusal(e) from e
     finally:
         await close_quietly(deltas)
 

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
 from llgtrt_core.engine.core_protocol import CoreSpec, DeltaRow, row_delta
-from llgtrt_core.engine.interface import Engine, EngineError, GenerationRequest, TokenDelta, next_delta
+from llgtrt_core.engine.interface import (Engine, EngineError, EngineUnavailable, GenerationRequest, TokenDelta,
+                                          next_delta)
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,10 @@ class EngineCoreClient(Engine):
     def num_active(self) -> int:
         return len(self._streams)
 
+    @property
+    def failure(self) -> Optional[str]:
+        return self._lost
+
     def abort(self, request_id: str) -> None:
         if self._lost is None:
             self._send(("abort", request_id))
@@ -110,7 +115,7 @@ class EngineCoreClient(Engine):
         """Yields an empty delta once the engine process took the request (the serving layer may then
         answer 200), then its deltas; raises EngineError when it refused it."""
         if self._lost is not None:
-            raise EngineError(self._lost)
+            raise EngineUnavailable(self._lost)
         rid = request.request_id
         stream = self._streams[rid] = _Stream(constraint=request.constraint)
         grammar = getattr(request.constraint, "grammar", None)
@@ -203,4 +208,4 @@ class EngineCoreClient(Engine):
             stream.deltas.put_nowait(TokenDelta(finish_reason="error", error=why))
         for waiter in self._stats.values():
             if not waiter.done():
-                waiter.set_exception(EngineError(why))
+                waiter.set_exception(EngineUnavailable(why))

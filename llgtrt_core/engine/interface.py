@@ -173,6 +173,10 @@ class EngineError(Exception):
     """A request the engine cannot take (bad prompt length, engine shut down)."""
 
 
+class EngineUnavailable(EngineError):
+    """The engine cannot take any request (its process is gone): the server's fault, not the request's."""
+
+
 class Engine(abc.ABC):
     """Runs requests with continuous batching; every method is called from the event loop."""
 
@@ -199,6 +203,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def num_active(self) -> int:
         """Requests submitted and not yet finished (running or waiting)."""
+
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the engine can serve nothing any more (its process died); None while it can."""
+        return None
 
     async def stats(self) -> dict[str, object]:
         """Engine-specific counters for /v1/engine/stats (the embedded engine: its step phases)."""
