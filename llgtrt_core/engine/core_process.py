@@ -49,6 +49,7 @@ class EngineCore:
         # of every constrained request in the engine (its error makes a failed row a grammar error).
         self._compiling: set[str] = set()
         self._constraints: dict[str, GrammarConstraint] = {}
+        self._admission_lock = threading.Lock()
 
     def send(self, message: tuple) -> None:
         with self._send_lock:
@@ -87,9 +88,10 @@ class EngineCore:
             future.add_done_callback(lambda done: self._admit(request_id, prompt, sampling, done.result()))
         elif kind == "abort":
             request_id = message[1]
-            if request_id in self._compiling:
+            with self._admission_lock:
+                compiling = request_id in self._compiling
                 self._compiling.discard(request_id)
-            else:
+            if not compiling:
                 self.engine.abort(request_id)
         elif kind == "precompile":
             self.grammars.compile_future(message[1])
@@ -100,24 +102,28 @@ class EngineCore:
         """Queue a request whose grammar (if any) compiled; the main thread or a compile thread."""
         constraint: Optional[GrammarConstraint] = None
         if compiled is not None:
-            if request_id not in self._compiling:  # aborted while it compiled
-                return
-            self._compiling.discard(request_id)
             try:
                 constraint = self.grammars.new_constraint(GrammarCompiler.checked(compiled, ""))
             except Exception as e:  # GrammarRequestError: the serving process names the field
+                self._compiling.discard(request_id)
                 self.send(("rejected", request_id, "grammar", getattr(e, "message", str(e))))
                 return
         request = GenerationRequest(request_id, prompt, sampling, constraint)
         try:
             self.engine.check(request)
         except EngineError as e:
+            self._compiling.discard(request_id)
             self.send(("rejected", request_id, "engine", str(e)))
             return
-        self.send(("accepted", request_id))  # before submit: no delta of it can overtake this
-        if constraint is not None:
-            self._constraints[request_id] = constraint
-        self.engine.submit(request, request_id)
+        with self._admission_lock:  # an abort is either before this (dropped here) or after (reaches the engine)
+            if compiled is not None:
+                if request_id not in self._compiling:  # aborted while it compiled
+                    return
+                self._compiling.discard(request_id)
+            self.send(("accepted", request_id))  # before submit: no delta of it can overtake this
+            if constraint is not None:
+                self._constraints[request_id] = constraint
+            self.engine.submit(request, request_id)
 
     def _send_deltas(self, outbox: list[tuple[object, TokenDelta]]) -> None:
         """The engine thread's delivery: one message for the step."""
