@@ -95,6 +95,7 @@ class EngineCoreClient(Engine):
             await asyncio.to_thread(self._process.wait, _STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self._process.kill()
+        _forget_metrics(self._process.pid)
         self._process = None
 
     # ---- requests --------------------------------------------------------------------
@@ -204,8 +205,18 @@ class EngineCoreClient(Engine):
             return
         logger.error("%s; failing its %d requests", why, len(self._streams))
         self._lost = why
+        _forget_metrics(self._process.pid)
         for stream in self._streams.values():
             stream.deltas.put_nowait(TokenDelta(finish_reason="error", error=why))
         for waiter in self._stats.values():
             if not waiter.done():
                 waiter.set_exception(EngineUnavailable(why))
+
+
+def _forget_metrics(pid: int) -> None:
+    """Drop the engine process's live gauges (running, waiting, KV usage) from BentoML's /metrics,
+    which in multiprocess mode reads every process's files until told that one is gone."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)
