@@ -13,17 +13,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from http import HTTPStatus
 from pathlib import Path
 from typing import AsyncGenerator, Optional
 
 import bentoml
 
 from llgtrt_core import metrics, model_store
-from llgtrt_core.api.app import create_app
-from llgtrt_core.api.auth import install_auth
+from llgtrt_core.api.app import API_PREFIX, GENERATION_PATHS, create_app
 from llgtrt_core.api.completions import completion_text
-from llgtrt_core.api.limits import install_limits
+from llgtrt_core.api.errors import APIError
+from llgtrt_core.api.gate import RequestGate
 from llgtrt_core.api.protocol import CompletionRequest
+from llgtrt_core.api.route_metrics import label_traffic_metrics_by_route
+from llgtrt_core.api.shutdown import SHUTDOWN, drain_on_sigterm
 from llgtrt_core.chat_template import ChatTemplate
 from llgtrt_core.config import TokenizerConfig, load_config
 from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
@@ -54,8 +57,11 @@ def current_runtime() -> Optional[ModelRuntime]:
 
 
 openai_app = create_app(current_runtime)
-install_limits(openai_app, CONFIG.server)
-install_auth(openai_app, CONFIG.server.api_key)  # added last: runs first, before any body is read
+# BentoML's own routes, ours, and the OpenAI app's: any other path shares one label in /metrics.
+label_traffic_metrics_by_route(
+    {"/", "/livez", "/readyz", "/healthz", "/metrics", "/schema.json", "/docs.json", *GENERATION_PATHS,
+     *(f"{API_PREFIX}{route.path}" for route in openai_app.routes)},
+    ("/static_content/", "/assets/"))
 
 
 def apply_tokenizer_overrides(tokenizer: Tokenizer, overrides: TokenizerConfig) -> None:
@@ -71,9 +77,9 @@ def apply_tokenizer_overrides(tokenizer: Tokenizer, overrides: TokenizerConfig) 
     endpoints={"livez": "/livez", "readyz": "/readyz"},
     # BentoML's OpenTelemetry middleware opens a span per ASGI send, so per streamed chunk (~35 us of
     # the event loop's time, a third of a chunk's cost), even when it samples nothing (its default).
-    tracing={"excluded_urls": ["/v1/chat/completions", "/v1/completions"]},
+    tracing={"excluded_urls": sorted(GENERATION_PATHS)},
 )
-@bentoml.asgi_app(openai_app, path="/v1")
+@bentoml.asgi_app(openai_app, path=API_PREFIX)
 class LLM:
     # A class attribute, so `bentoml build` bundles the model into the Bento.
     model = bentoml.models.BentoModel(CONFIG.model_tag)
@@ -84,6 +90,7 @@ class LLM:
 
     @bentoml.on_startup
     async def start_loading(self) -> None:
+        drain_on_sigterm()  # uvicorn's handler is in place by now
         # Load in the background so /readyz answers 503 (not a refused connection) meanwhile.
         self._loading = asyncio.create_task(self._load())
 
@@ -111,13 +118,13 @@ class LLM:
             template = tokenizer.chat_template.source if tokenizer.chat_template else None
             tool_format = detect_tool_format(template, CONFIG.tokenizer.tool_format)
             self.runtime = ModelRuntime(model_name=name, tokenizer=tokenizer, engine=engine, tool_format=tool_format,
-                                        grammars=grammars)
+                                        grammars=grammars, limits=CONFIG.server)
             logger.info("serving %s (%s) with the %s engine", name, stored.tag, metadata.get("engine"))
         except Exception:
             logger.exception("loading the model failed; /readyz stays 503")
 
     def __is_ready__(self) -> bool:
-        return self.runtime is not None and self.runtime.engine.failure is None
+        return self.runtime is not None and self.runtime.engine.failure is None and not SHUTDOWN.draining
 
     @bentoml.on_shutdown
     async def stop(self) -> None:
@@ -133,11 +140,35 @@ class LLM:
     ) -> AsyncGenerator[str, None]:
         """Stream the completion of `prompt` as text chunks (bentoml's Python clients).
 
-        The same path as POST /v1/completions: validation, sampling, detokenization.
+        The same path as POST /v1/completions: the request gate (GENERATION_PATHS), validation,
+        sampling, detokenization. A bad request fails before the first chunk, with its status.
         """
         if self.runtime is None:
             raise bentoml.exceptions.ServiceUnavailable("the model is still loading")
         request = CompletionRequest(model=self.runtime.model_name, prompt=prompt, max_tokens=max_tokens,
                                     temperature=temperature, seed=seed)
-        async for text in completion_text(request, self.runtime):
-            yield text
+        texts = completion_text(request, self.runtime)
+        try:
+            try:
+                first = await anext(texts, None)
+            except APIError as e:  # before the first chunk, BentoML still answers with the status
+                raise _bentoml_error(e) from e
+            if first is None:
+                return
+            yield first
+            async for text in texts:
+                if SHUTDOWN.cut:  # plain text has no error event: the stream just ends
+                    return
+                yield text
+        finally:
+            await texts.aclose()
+
+
+def _bentoml_error(error: APIError) -> bentoml.exceptions.BentoMLException:
+    info = error.info
+    message = f"{info.param}: {info.message}" if info.param else info.message
+    return bentoml.exceptions.BentoMLException(message, error_code=HTTPStatus(error.status_code))
+
+
+# Once for every protected route: /v1/* and GENERATION_PATHS (api/gate.py).
+LLM.add_asgi_middleware(RequestGate, server=CONFIG.server)

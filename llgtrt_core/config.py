@@ -123,16 +123,23 @@ class LlguidanceConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    api_key: Optional[str] = option(None, "When set, /v1/* requires `Authorization: Bearer <api_key>`. "
-                                          "Env LLGTRT_API_KEY.")
-    max_request_bytes: int = option(8 * 1024 * 1024, "Largest request body of /v1/*; larger ones get 413. "
-                                                      "0: no limit.")
-    max_concurrent_requests: int = option(256, "Generation requests (chat, completions) handed to the "
-                                               "engine at once; it batches max_batch_size of them. 0: no "
-                                               "limit (nor queue).")
-    max_queued_requests: int = option(256, "Generation requests waiting for one of those places; past "
-                                           "them a request gets 429 with Retry-After.")
+    api_key: Optional[str] = option(None, "When set, /v1/* and /generate require `Authorization: Bearer "
+                                          "<api_key>`. Env LLGTRT_API_KEY.")
+    max_request_bytes: int = option(8 * 1024 * 1024, "Largest request body of /v1/* and /generate; larger ones "
+                                                      "get 413. 0: no limit.")
+    max_concurrent_requests: int = option(256, "Generation sequences handed to the engine at once, a request "
+                                               "taking one place per prompt and choice (n, or best_of); the "
+                                               "engine batches max_batch_size of them. 0: no limit (nor queue).")
+    max_queued_requests: int = option(256, "Generation requests waiting for their places; past them a "
+                                           "request gets 429 with Retry-After.")
     retry_after_seconds: int = option(1, "The Retry-After of a 429.")
+    max_sequences_per_request: int = option(128, "Prompts x choices (n, or best_of) one request may ask for; "
+                                                 "past it a 400 names the fields. 0: no limit.")
+    max_prompt_chars: int = option(1_000_000, "Characters of one request's prompt text (all prompts, or all "
+                                              "messages' content); past it a 400 before tokenizing. 0: no "
+                                              "limit.")
+    max_messages: int = option(4096, "Messages of one chat or tokenize request; past it a 400. 0: no limit.")
+    max_tools: int = option(128, "Tools (and legacy functions) of one request; past it a 400. 0: no limit.")
 
 
 @dataclass(frozen=True)

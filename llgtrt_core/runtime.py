@@ -1,9 +1,12 @@
-"""What the HTTP layer needs of a loaded model: its name, tokenizer, tool-call format, engine and grammars."""
+"""What the HTTP layer needs of a loaded model: its name, tokenizer, tool-call format, engine and grammars,
+and the per-request bounds it serves under."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from llgtrt_core.config import ServerConfig
 
 if TYPE_CHECKING:
     from llgtrt_core.constraints.grammar import GrammarCompiler
@@ -19,3 +22,4 @@ class ModelRuntime:
     engine: "Engine"
     tool_format: "ToolFormat"  # resolved once per model: config, else the chat template
     grammars: "GrammarCompiler"  # built once per model: every request's constraints, tool grammars, token bytes
+    limits: ServerConfig = field(default_factory=ServerConfig)  # per-request bounds (api/field_limits.py)

@@ -73,7 +73,12 @@ class Tokenizer:
         return self._fast.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.encode_many([text], add_special_tokens)[0]
+
+    def encode_many(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        # The batch call releases the GIL while it works (`encode` holds it: seconds for megabytes,
+        # the event loop frozen even when the call runs in another thread).
+        return [encoding.ids for encoding in self._fast.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._fast.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -1,6 +1,7 @@
 """Faults on a real server: a grammar that fails mid-generation ends only its own request, a
-disconnected client's request leaves the engine within a step, and SIGTERM ends every in-flight
-stream properly (finished or with an error event, never cut off) and stops the server.
+disconnected client's request leaves the engine within a step, and SIGTERM drains: readiness and new
+requests get 503 at once, in-flight streams end properly (finished, or cut at the graceful-shutdown
+timeout with an error event and [DONE]) and the server stops.
 
 The fault is a real input: a right-recursive grammar that passes compilation but outgrows the
 (tiny, configured) llguidance `max_items_in_row` limit after a few dozen tokens.
@@ -9,6 +10,8 @@ The fault is a real input: a right-recursive grammar that passes compilation but
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -87,6 +90,7 @@ def test_a_grammar_failing_mid_generation_ends_only_its_request(faulty: BentoSer
     whole = httpx.post(url, json=failing, timeout=120)
     assert whole.status_code == 400, whole.text
     assert whole.json()["error"]["code"] == "grammar_error" and "max is 50" in whole.json()["error"]["message"]
+    assert whole.json()["error"]["param"] == error["param"] == "response_format.lark_grammar"
     # The engine carries on: the same server still answers.
     after = httpx.post(url, json=chat("Hi", max_tokens=3), timeout=60)
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
@@ -114,9 +118,10 @@ def test_a_disconnected_stream_leaves_the_engine_within_a_step(faulty: BentoServ
     assert metric(faulty, "llgtrt:request_success_total", finished_reason="abort") == aborted_before + 1
 
 
-def test_sigterm_drains_short_streams_aborts_long_ones_and_stops(faulty: BentoServer) -> None:
-    """Runs last: it stops the module's server. A request that can finish within the graceful
-    shutdown time does; a longer one is cut there (its engine request aborted with it)."""
+def test_sigterm_drains_short_streams_cuts_long_ones_and_stops(faulty: BentoServer) -> None:
+    """Runs last: it stops the module's server. On SIGTERM readiness and new requests get 503 at once
+    (a load balancer moves on; nothing hangs); a request that can finish within the graceful
+    shutdown time does; a longer one is cut there with an error event and [DONE]."""
     url = f"{faulty.url}/v1/chat/completions"
     bodies = [chat("Tell me about cats.", max_tokens=8, ignore_eos=True),
               chat("Write a very long story.", max_tokens=2000, ignore_eos=True)]
@@ -141,11 +146,22 @@ def test_sigterm_drains_short_streams_aborts_long_ones_and_stops(faulty: BentoSe
         thread.start()
     started.wait(timeout=60)  # both streams are generating
     stop_started = time.monotonic()
+    os.killpg(faulty.process.pid, signal.SIGTERM)
+    time.sleep(0.3)
+    with httpx.Client(timeout=3) as fresh:  # a new connection
+        assert fresh.get(f"{faulty.url}/readyz").status_code == 503
+        refused = fresh.post(url, json=chat("Hi", max_tokens=2))
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        assert fresh.get(f"{faulty.url}/livez").status_code == 200  # alive, only not ready
+    assert time.monotonic() - stop_started < 2
     code = faulty.stop(timeout_s=60)
     stop_s = time.monotonic() - stop_started
     for thread in threads:
         thread.join(timeout=30)
     assert code == 0 and GRACEFUL_SHUTDOWN_S - 1 < stop_s < GRACEFUL_SHUTDOWN_S + 25, faulty.log_tail()
     assert results[0][-1] == "[DONE]", (stop_s, len(results[0]), len(results[1]))  # drained to its end
-    assert results[1][-1] != "[DONE]" and len(results[1]) < 2000  # aborted
+    cut = results[1]
+    assert cut[-1] == "[DONE]" and len(cut) < 2000, cut[-3:]  # cut, and told so
+    assert json.loads(cut[-2])["error"]["code"] == "shutting_down"
     assert "Running cleanup hook" in faulty.log_tail() or "shutdown" in faulty.log_tail().lower()
+

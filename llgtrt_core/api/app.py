@@ -29,6 +29,17 @@ from llgtrt_core.runtime import ModelRuntime
 
 _ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 404, 500, 503)}
 
+API_PREFIX = "/v1"  # where the service mounts this app
+# Every route that generates text, by full path. Declared once, here: the request gate (api/gate.py)
+# admits them (429, one place per sequence) and drains them on shutdown, and tracing skips them
+# (service.py). A new generating route is one more entry; one left out fails on its first request.
+GENERATION_PATHS = frozenset({f"{API_PREFIX}/chat/completions", f"{API_PREFIX}/completions", "/generate"})
+
+
+def is_protected(path: str) -> bool:
+    """Routes behind the API key and body limit: the whole OpenAI app, and every generating route."""
+    return path == API_PREFIX or path.startswith(f"{API_PREFIX}/") or path in GENERATION_PATHS
+
 
 def create_app(get_runtime: Callable[[], Optional[ModelRuntime]]) -> FastAPI:
     """`get_runtime` returns the loaded model, or None / raises while it is still loading."""
@@ -60,12 +71,12 @@ def create_app(get_runtime: Callable[[], Optional[ModelRuntime]]) -> FastAPI:
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize_route(request: TokenizeRequest, loaded: ModelRuntime = Depends(runtime)) -> TokenizeResponse:
-        return tokenize(request, loaded)
+        return await tokenize(request, loaded)
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize_route(request: DetokenizeRequest,
                                loaded: ModelRuntime = Depends(runtime)) -> DetokenizeResponse:
-        return detokenize(request, loaded)
+        return await detokenize(request, loaded)
 
     @app.get("/engine/stats", response_model=EngineStats)
     async def engine_stats(loaded: ModelRuntime = Depends(runtime)) -> EngineStats:

@@ -1,4 +1,4 @@
-"""Optional API key: when configured, every route of the OpenAI app needs `Authorization: Bearer <key>`.
+"""Optional API key: when configured, every protected route needs `Authorization: Bearer <key>` (api/gate.py).
 
 A pure ASGI middleware (not BaseHTTPMiddleware) so streamed responses and disconnects pass through
 untouched. A wrong or missing key gets OpenAI's 401 body (code `invalid_api_key`).
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hmac
 
-from fastapi import FastAPI
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -23,7 +22,7 @@ class BearerAuth:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self._authorized(scope):
+        if self._authorized(scope):
             await self.app(scope, receive, send)
             return
         metrics.requests_rejected.labels(reason="unauthorized").inc()
@@ -36,8 +35,3 @@ class BearerAuth:
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
         return hmac.compare_digest(given, self.expected)  # constant time: no key guessing by timing
 
-
-def install_auth(app: FastAPI, api_key: str | None) -> None:
-    """Require `api_key` on every route of `app`; no-op when it is None or empty."""
-    if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)

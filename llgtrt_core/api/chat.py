@@ -38,7 +38,7 @@ from llgtrt_core.runtime import ModelRuntime
 async def create_chat_completion(request: ChatCompletionRequest, runtime: ModelRuntime, raw_request: Request) -> Response:
     check_request(request, runtime)
     plan = request_tool_plan(request, runtime)
-    prompt_ids = chat_prompt_ids(request, runtime, plan)
+    prompt_ids = await chat_prompt_ids(request, runtime, plan)
     grammar = await tool_constraint(plan, request, runtime)
     if keeps_special_tokens(plan, runtime.tokenizer):
         request = request.model_copy(update={"skip_special_tokens": False})

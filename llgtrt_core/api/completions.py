@@ -37,7 +37,7 @@ from llgtrt_core.runtime import ModelRuntime
 async def _start(request: CompletionRequest, runtime: ModelRuntime, response_id: str
                  ) -> tuple[list[list[int]], list[GenerationRequest], AsyncIterator[ChoiceUpdate]]:
     check_request(request, runtime)
-    prompts = completion_prompt_ids(request, runtime.tokenizer, runtime.tokenizer.vocab_size)
+    prompts = await completion_prompt_ids(request, runtime.tokenizer, runtime.tokenizer.vocab_size)
     planned, updates = await start_choices(request, runtime, prompts, response_id)
     return prompts, planned, updates
 

@@ -2,7 +2,7 @@
 
 Every failure the app can produce goes through here: our own `APIError`s, request validation
 (400 like OpenAI and vLLM, not FastAPI's 422, with `param` naming the field), unknown routes and
-unexpected exceptions (500, logged; bad input must never get here).
+unexpected exceptions (500, logged, the connection kept; bad input must never get here).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llgtrt_core.api.protocol import ErrorInfo, ErrorResponse, ParamError
 
@@ -45,8 +46,8 @@ def error_body(info: ErrorInfo) -> dict[str, Any]:
     return ErrorResponse(error=info).model_dump()
 
 
-def _json_response(status_code: int, info: ErrorInfo) -> JSONResponse:
-    return JSONResponse(status_code=status_code, content=error_body(info))
+def _json_response(status_code: int, info: ErrorInfo, headers: Optional[dict[str, str]] = None) -> JSONResponse:
+    return JSONResponse(status_code=status_code, content=error_body(info), headers=headers)
 
 
 def _param_from_loc(loc: Sequence[Any]) -> Optional[str]:
@@ -107,9 +108,31 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         info = ErrorInfo(message=str(exc.detail), type=error_type(exc.status_code))
-        return _json_response(exc.status_code, info)
+        return _json_response(exc.status_code, info, exc.headers)  # a 405's Allow among them
 
-    @app.exception_handler(Exception)
-    async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return _json_response(500, ErrorInfo(message=f"internal error: {exc!r}", type="server_error"))
+    app.add_middleware(UnexpectedErrors)
+
+
+class UnexpectedErrors:
+    """A 500 for an unexpected exception, which ends here. Starlette's own handler re-raises it after
+    answering, and uvicorn then drops the connection: the client's next request on it fails too."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started or scope["type"] != "http":
+                raise  # a response is half sent: only dropping the connection tells the client
+            logger.exception("unhandled error")
+            info = ErrorInfo(message=f"internal error: {exc!r}", type="server_error")
+            await _json_response(500, info)(scope, receive, send)

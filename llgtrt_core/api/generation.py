@@ -37,7 +37,8 @@ def generation_failure(request: GenerationRequest, delta: TokenDelta) -> APIErro
     Anything else that ends a request early is the server's: 500."""
     constraint = request.constraint
     if constraint is not None and constraint.error is not None:
-        return APIError(f"the output constraint failed during generation: {constraint.error}", code="grammar_error")
+        return APIError(f"the output constraint failed during generation: {constraint.error}", code="grammar_error",
+                        param=getattr(constraint, "param", None))
     return GenerationFailed(delta.error or f"the engine ended the request ({delta.finish_reason})")
 
 

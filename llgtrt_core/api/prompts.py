@@ -1,7 +1,12 @@
-"""Request prompts to token ids: chat messages through the model's template, or legacy prompts."""
+"""Request prompts to token ids: chat messages through the model's template, or legacy prompts.
+
+Rendering and tokenizing take time proportional to the prompt (seconds for megabytes): they run in
+a worker thread, so the event loop goes on serving every other stream and /livez meanwhile.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Optional, Union
 
@@ -52,9 +57,14 @@ def _template_message(message: ChatCompletionMessageParam, param: str) -> dict[s
     return as_dict
 
 
-def chat_prompt_text(request: Union[ChatCompletionRequest, TokenizeChatRequest], runtime: ModelRuntime,
-                     plan: Optional[ToolPlan]) -> str:
+async def chat_prompt_text(request: Union[ChatCompletionRequest, TokenizeChatRequest], runtime: ModelRuntime,
+                           plan: Optional[ToolPlan]) -> str:
     """The conversation through the model's template, with the request's tools and template options."""
+    return await asyncio.to_thread(_render, request, runtime, plan)
+
+
+def _render(request: Union[ChatCompletionRequest, TokenizeChatRequest], runtime: ModelRuntime,
+            plan: Optional[ToolPlan]) -> str:
     tokenizer = runtime.tokenizer
     if tokenizer.chat_template is None:
         raise APIError("this model has no chat template; use /v1/completions", param="messages")
@@ -72,17 +82,24 @@ def chat_prompt_text(request: Union[ChatCompletionRequest, TokenizeChatRequest],
         raise APIError(str(e), param="messages") from e
 
 
-def chat_prompt_ids(request: ChatCompletionRequest, runtime: ModelRuntime, plan: Optional[ToolPlan] = None) -> list[int]:
-    # The template writes BOS and friends itself.
-    return runtime.tokenizer.encode(chat_prompt_text(request, runtime, plan), add_special_tokens=False)
+async def chat_prompt_ids(request: ChatCompletionRequest, runtime: ModelRuntime,
+                          plan: Optional[ToolPlan] = None) -> list[int]:
+    def render_and_encode() -> list[int]:  # the template writes BOS and friends itself
+        return runtime.tokenizer.encode(_render(request, runtime, plan), add_special_tokens=False)
+
+    return await asyncio.to_thread(render_and_encode)
 
 
-def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:
+async def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:
     """One token-id list per prompt: str | [str] | [int] | [[int]]."""
+    return await asyncio.to_thread(_completion_prompt_ids, request, tokenizer, vocab_size)
+
+
+def _completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:
     prompt = request.prompt
     if isinstance(prompt, str) or (prompt and all(isinstance(p, str) for p in prompt)):
         texts = [prompt] if isinstance(prompt, str) else prompt
-        prompts = [tokenizer.encode(t, add_special_tokens=request.add_special_tokens) for t in texts]
+        prompts = tokenizer.encode_many(texts, add_special_tokens=request.add_special_tokens)
     elif prompt and all(isinstance(p, int) for p in prompt):
         prompts = [list(prompt)]
     else:

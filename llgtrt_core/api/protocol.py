@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_serializer, model_validator
 
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
 
@@ -73,7 +73,7 @@ class JsonSchemaResponseFormat(OpenAIBaseModel):
     name: str = "response"
     description: Optional[str] = None
     schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
-    strict: Optional[bool] = None
+    strict: Optional[StrictBool] = None
 
 
 class ResponseFormat(OpenAIBaseModel):
@@ -90,10 +90,10 @@ class StructuredOutputsParams(OpenAIBaseModel):
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
-    json_object: Optional[bool] = None
+    json_object: Optional[StrictBool] = None
     whitespace_pattern: Optional[str] = None
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
+    disable_any_whitespace: StrictBool = False
+    disable_additional_properties: StrictBool = False
 
     @property
     def json(self) -> Optional[Union[str, dict[str, Any]]]:  # type: ignore[override]
@@ -116,8 +116,11 @@ class ConstraintFields(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool = False
-    include_obfuscation: bool = False  # we never pad deltas, so there is nothing to obfuscate
+    include_usage: StrictBool = False
+    include_obfuscation: StrictBool = False  # we never pad deltas, so there is nothing to obfuscate
+
+
+_MAX_TOKEN_ID_DIGITS = 10
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -129,7 +132,7 @@ class SamplingFields(OpenAIBaseModel):
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     stop: Optional[Union[str, list[str]]] = Field(default=None)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
@@ -140,10 +143,10 @@ class SamplingFields(OpenAIBaseModel):
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
     min_tokens: int = Field(default=0, ge=0)
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: Optional[list[int]] = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     # Which distribution logprobs report: the model's (raw) or the sampled-from one (docs/sampling.md).
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
 
@@ -151,8 +154,9 @@ class SamplingFields(OpenAIBaseModel):
     @classmethod
     def _check_logit_bias(cls, logit_bias: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
         for key, bias in (logit_bias or {}).items():
-            if not key.strip().isdigit():
-                raise ParamError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+            token_id = key.strip()  # ASCII digits only: int() also takes "²"-like digits, and refuses 5,000 of them
+            if not (token_id.isascii() and token_id.isdigit() and len(token_id) <= _MAX_TOKEN_ID_DIGITS):
+                raise ParamError("logit_bias", f"logit_bias keys must be token ids, got {key[:20]!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ParamError("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for {key}")
         return logit_bias
@@ -243,7 +247,7 @@ class FunctionDefinition(OpenAIBaseModel):
     name: str
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
+    strict: Optional[StrictBool] = None
 
 
 class ChatCompletionTool(OpenAIBaseModel):
@@ -255,11 +259,11 @@ class ChatCompletionRequest(SamplingFields, ConstraintFields):
     messages: list[ChatCompletionMessageParam] = Field(min_length=1)
     max_tokens: Optional[int] = Field(default=None, ge=1)  # deprecated alias of max_completion_tokens
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
-    logprobs: Optional[bool] = False
+    logprobs: Optional[StrictBool] = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     tools: Optional[list[ChatCompletionTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], ChatCompletionNamedToolChoice]] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[StrictBool] = None
     functions: Optional[list[FunctionDefinition]] = None  # deprecated by tools
     function_call: Optional[Union[Literal["none", "auto"], ChatCompletionNamedFunction]] = None
     audio: Optional[dict[str, Any]] = None
@@ -271,16 +275,16 @@ class ChatCompletionRequest(SamplingFields, ConstraintFields):
     moderation: Optional[dict[str, Any]] = None
     # Bookkeeping fields that do not change the output.
     metadata: Optional[dict[str, str]] = None
-    store: Optional[bool] = None
+    store: Optional[StrictBool] = None
     service_tier: Optional[str] = None
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Optional[str] = None
     prompt_cache_options: Optional[dict[str, Any]] = None
     # vLLM chat extras
-    echo: bool = False
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    echo: StrictBool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
     @model_validator(mode="after")
@@ -323,10 +327,10 @@ class CompletionRequest(SamplingFields, ConstraintFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = Field(default=16, ge=1)  # OpenAI's default for completions
     best_of: Optional[int] = Field(default=None, ge=1, le=128)
-    echo: bool = False
+    echo: StrictBool = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=5)
     suffix: Optional[str] = None
-    add_special_tokens: bool = True  # vLLM: add BOS and friends to text prompts
+    add_special_tokens: StrictBool = True  # vLLM: add BOS and friends to text prompts
 
     @model_validator(mode="after")
     def _check_best_of(self) -> CompletionRequest:
@@ -522,8 +526,8 @@ class EngineStats(OpenAIResponseModel):
 class TokenizeCompletionRequest(OpenAIBaseModel):
     model: Optional[str] = None
     prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
 
 
 class TokenizeChatRequest(OpenAIBaseModel):
@@ -533,11 +537,11 @@ class TokenizeChatRequest(OpenAIBaseModel):
     messages: list[ChatCompletionMessageParam] = Field(min_length=1)
     tools: Optional[list[ChatCompletionTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], ChatCompletionNamedToolChoice]] = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    add_special_tokens: bool = False  # the template writes BOS and friends itself
-    return_token_strs: bool = False
+    add_special_tokens: StrictBool = False  # the template writes BOS and friends itself
+    return_token_strs: StrictBool = False
 
 
 TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]

@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import AsyncIterator, Optional, Union
 
 from llgtrt_core.api.errors import APIError
+from llgtrt_core.api.field_limits import check_request_size
 from llgtrt_core.api.generation import ChoiceUpdate, TextOptions, merge, run_choice
+from llgtrt_core.api.limits import admit
 from llgtrt_core.api.protocol import ChatCompletionRequest, CompletionRequest
 from llgtrt_core.constraints.errors import GrammarRequestError
 from llgtrt_core.constraints.request_grammar import RequestGrammar
@@ -22,7 +24,8 @@ _SEED_MODULUS = 2**63  # choice seeds stay in int64 range
 
 
 def check_request(request: ApiRequest, runtime: ModelRuntime) -> None:
-    """What can be refused before any tokenization: an unknown model (404), unsupported parameters."""
+    """What can be refused before any tokenization: an unknown model (404), unsupported parameters,
+    a request past the per-request bounds."""
     if request.model is not None and request.model != runtime.model_name:
         raise APIError(f"The model `{request.model}` does not exist.", status_code=404, param="model",
                        code="model_not_found")
@@ -31,6 +34,7 @@ def check_request(request: ApiRequest, runtime: ModelRuntime) -> None:
         names = ", ".join(unsupported)
         raise APIError(f"unsupported parameter(s): {names} (not implemented by this server)",
                        param=unsupported[0], code="unsupported_parameter")
+    check_request_size(request, runtime.limits)
 
 
 async def make_constraint(request: ApiRequest, runtime: ModelRuntime,
@@ -41,7 +45,8 @@ async def make_constraint(request: ApiRequest, runtime: ModelRuntime,
     """
     try:
         if grammar is not None:
-            return runtime.grammars.new_constraint(await runtime.grammars.compile(grammar.grammar, grammar.param))
+            compiled = await runtime.grammars.compile(grammar.grammar, grammar.param)
+            return runtime.grammars.new_constraint(compiled, grammar.param)
         return await runtime.grammars.constraint_for_request(request)
     except GrammarRequestError as e:  # bad schema / grammar: llguidance says what is wrong
         raise APIError(str(e), param=e.param) from e
@@ -141,7 +146,9 @@ async def _engine_requests(request: ApiRequest, runtime: ModelRuntime, prompts: 
 async def start_choices(request: ApiRequest, runtime: ModelRuntime, prompts: list[list[int]], request_id: str,
                         grammar: Optional[RequestGrammar] = None
                         ) -> tuple[list[GenerationRequest], AsyncIterator[ChoiceUpdate]]:
-    """Plan every choice and return their merged updates (nothing runs until iterated)."""
+    """Take the request's admission places, plan every choice and return their merged updates
+    (nothing runs until iterated)."""
+    await admit(len(prompts) * request.num_candidates)
     planned = await _engine_requests(request, runtime, prompts, request_id, grammar)
     options = _text_options(request)
     choices = [run_choice(runtime.engine, runtime.tokenizer, i, r, options) for i, r in enumerate(planned)]

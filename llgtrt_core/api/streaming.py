@@ -21,11 +21,14 @@ from starlette.types import Send
 from llgtrt_core.api.errors import APIError, error_body
 from llgtrt_core.api.generation import close_quietly
 from llgtrt_core.api.protocol import ErrorInfo
+from llgtrt_core.api.shutdown import SHUTDOWN
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 DONE_EVENT = "data: [DONE]\n\n"
+SHUTDOWN_CUT = ErrorInfo(message="the server is shutting down: the response was cut at its graceful-shutdown timeout",
+                         type="server_error", code="shutting_down")
 
 
 def sse_event(chunk: BaseModel) -> str:
@@ -65,10 +68,14 @@ def sse_error_event(info: ErrorInfo) -> str:
 
 
 async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Ends a stream of events with [DONE], or with an error event if producing them failed."""
+    """Ends a stream of events with [DONE], or with an error event if producing them failed; one
+    cut by graceful shutdown with an error event, then [DONE]."""
     try:
         async for event in events:
             yield event
+            if SHUTDOWN.cut:
+                yield sse_error_event(SHUTDOWN_CUT)
+                break
         yield DONE_EVENT
     except APIError as e:
         yield sse_error_event(e.info)

@@ -79,17 +79,26 @@ class CompiledGrammar:
 class GrammarConstraint:
     """One request's matcher state; implements the engine's `Constraint` protocol."""
 
-    __slots__ = ("matcher", "grammar", "error")
+    __slots__ = ("matcher", "grammar", "param", "error")
 
-    def __init__(self, matcher: LLMatcher, grammar: str = "") -> None:
+    def __init__(self, matcher: LLMatcher, grammar: str = "", param: Optional[str] = None) -> None:
         self.matcher = matcher
         self.grammar = grammar  # the text, for engines that rebuild the matcher in another process
+        self.param = param  # the request field the grammar came from, named when it fails mid-generation
         self.error: Optional[str] = None  # a plain attribute: read for every row of every step
 
     def fail(self, message: str) -> None:
         """Record the first error only; the request ends with it."""
         if self.error is None:
             self.error = message[:MAX_ERROR_CHARS] or "grammar error"
+
+
+def _first_mask_error(message: str) -> str:
+    """llguidance's reason, made readable where it is only a name."""
+    if "NoExtensionBias" in message:  # no token can start an output: the grammar matches nothing
+        return ("the constraint admits no output at all (a $ref or rule that only refers to itself, or "
+                f"one with nothing in it, matches nothing); llguidance: {message}")
+    return message
 
 
 @dataclass(frozen=True)
@@ -166,10 +175,10 @@ class GrammarCompiler:
         found = request_grammar(request, self.json_whitespace_flexible)
         if found is None:
             return None
-        return self.new_constraint(await self.compile(found.grammar, found.param))
+        return self.new_constraint(await self.compile(found.grammar, found.param), found.param)
 
-    def new_constraint(self, compiled: CompiledGrammar) -> GrammarConstraint:
-        return GrammarConstraint(compiled.matcher.deep_copy(), compiled.grammar)
+    def new_constraint(self, compiled: CompiledGrammar, param: Optional[str] = None) -> GrammarConstraint:
+        return GrammarConstraint(compiled.matcher.deep_copy(), compiled.grammar, param)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -199,7 +208,7 @@ class GrammarCompiler:
         # not an error mid-request (and the lexer states it builds are shared by every copy).
         matcher.compute_bitmask()
         if matcher.is_error():
-            return _Failure(matcher.get_error()[:MAX_ERROR_CHARS])
+            return _Failure(_first_mask_error(matcher.get_error())[:MAX_ERROR_CHARS])
         warnings = tuple(matcher.get_grammar_warnings())
         if warnings:
             logger.info("grammar warnings: %s", "; ".join(warnings))

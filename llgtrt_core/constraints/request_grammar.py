@@ -14,8 +14,8 @@ Requests are duck-typed: any object (or mapping) with these attributes will do.
 
 from __future__ import annotations
 
-import copy
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -187,11 +187,25 @@ def _build_grammar(param: str, kind: str, value: Any, policy: JsonPolicy) -> str
     if kind == "llguidance":
         return text  # llguidance JSON ({"grammars": [...]}) or Lark; the compiler validates it
     if kind == "grammar":
+        _check_gbnf_rules(text, param)
         try:
             return llguidance.grammar_from("grammar", text)  # Lark, or GBNF converted to Lark
         except ValueError as e:
             raise GrammarRequestError(param, str(e)) from e
     raise AssertionError(f"unknown constraint kind {kind}")
+
+
+_GBNF_RULE = re.compile(r"^[ \t]*([A-Za-z_][\w-]*)[ \t]*::=", re.MULTILINE)
+_GBNF_COMMENT = re.compile(r"#[^\n]*")
+
+
+def _check_gbnf_rules(text: str, param: str) -> None:
+    """A GBNF rule with nothing after `::=` converts to one matching only the empty string: refused,
+    as a grammar that would end every answer before it starts."""
+    parts = _GBNF_RULE.split(text)  # [before, name, body, name, body, ...]
+    for name, body in zip(parts[1::2], parts[2::2]):
+        if not _GBNF_COMMENT.sub("", body).strip():
+            raise GrammarRequestError(param, f"the GBNF rule `{name}` is empty (nothing after `::=`)")
 
 
 def _text(value: Any, param: str) -> str:
@@ -238,27 +252,28 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "d
 
 def close_objects(schema: dict[str, Any]) -> dict[str, Any]:
     """A copy where every object schema without `additionalProperties` gets `false` (vLLM's
-    `disable_additional_properties`): the model may only write the properties it was given."""
-    closed = copy.deepcopy(schema)
-    _close_in_place(closed)
+    `disable_additional_properties`): the model may only write the properties it was given.
+
+    Iterative, copying each subschema it visits: schemas nest deeper than Python's recursion limit.
+    """
+    closed = dict(schema)
+    pending = [closed]
+    while pending:
+        node = pending.pop()
+        kind = node.get("type")
+        if (kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node) \
+                and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+        for key in _SUBSCHEMA:
+            if isinstance(node.get(key), dict):
+                node[key] = dict(node[key])
+                pending.append(node[key])
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                node[key] = [dict(sub) if isinstance(sub, dict) else sub for sub in node[key]]
+                pending += [sub for sub in node[key] if isinstance(sub, dict)]
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                node[key] = {name: dict(sub) if isinstance(sub, dict) else sub for name, sub in node[key].items()}
+                pending += [sub for sub in node[key].values() if isinstance(sub, dict)]
     return closed
-
-
-def _close_in_place(schema: Any) -> None:
-    if not isinstance(schema, dict):
-        return
-    kind = schema.get("type")
-    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in schema
-    if is_object and "additionalProperties" not in schema:
-        schema["additionalProperties"] = False
-    for key in _SUBSCHEMA:
-        if isinstance(schema.get(key), dict):
-            _close_in_place(schema[key])
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(schema.get(key), list):
-            for sub in schema[key]:
-                _close_in_place(sub)
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            for sub in schema[key].values():
-                _close_in_place(sub)
