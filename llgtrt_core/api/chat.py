@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Optional
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from llgtrt_core.api.generation import ChoiceUpdate, close_quietly, collect
+from llgtrt_core.api.generation import ChoiceResult, ChoiceUpdate, close_quietly
 from llgtrt_core.api.logprobs import chat_logprobs
 from llgtrt_core.api.prompts import chat_prompt_ids
 from llgtrt_core.api.protocol import (
@@ -22,50 +23,76 @@ from llgtrt_core.api.protocol import (
     now,
     random_id,
 )
-from llgtrt_core.api.sampling import check_request, start_choices
-from llgtrt_core.api.streaming import (
-    TEXT_PLACEHOLDER,
-    ClientDisconnected,
-    EventStreamResponse,
-    TextEvents,
-    cancel_on_disconnect,
-    sse_event,
-)
+from llgtrt_core.api.sampling import check_request
+from llgtrt_core.api.serving import Generation, completion_tokens, serve
+from llgtrt_core.api.streaming import DONE_EVENT, TEXT_PLACEHOLDER, TextEvents, sse_error_event, sse_event
 from llgtrt_core.api.tool_calls import ChoiceToolOutput, keeps_special_tokens, request_tool_plan, tool_constraint
+from llgtrt_core.constraints.request_grammar import RequestGrammar
 from llgtrt_core.runtime import ModelRuntime
+from llgtrt_core.tools import ToolPlan
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """A chat request ready to start: its prompt, tools and the grammar that replaces its own."""
+
+    request: ChatCompletionRequest
+    prompt_ids: list[int]
+    tools: Optional[ToolPlan]
+    grammar: Optional[RequestGrammar]
+
+    def tool_outputs(self) -> list[Optional[ChoiceToolOutput]]:
+        """Per choice, the parser of its tool calls (None: plain text)."""
+        parses = self.tools is not None and self.tools.parses_calls
+        return [ChoiceToolOutput(self.tools) if parses else None for _ in range(self.request.n)]
+
+
+async def plan_chat(request: ChatCompletionRequest, runtime: ModelRuntime) -> ChatPlan:
+    """Validate a chat request (400 naming the field) and render its prompt: chat and responses share it."""
+    check_request(request, runtime)
+    tools = request_tool_plan(request, runtime)
+    prompt_ids = await chat_prompt_ids(request, runtime, tools)
+    grammar = await tool_constraint(tools, request, runtime)
+    if keeps_special_tokens(tools, runtime.tokenizer):
+        request = request.model_copy(update={"skip_special_tokens": False})
+    return ChatPlan(request, prompt_ids, tools, grammar)
 
 
 async def create_chat_completion(request: ChatCompletionRequest, runtime: ModelRuntime, raw_request: Request) -> Response:
-    check_request(request, runtime)
-    plan = request_tool_plan(request, runtime)
-    prompt_ids = await chat_prompt_ids(request, runtime, plan)
-    grammar = await tool_constraint(plan, request, runtime)
-    if keeps_special_tokens(plan, runtime.tokenizer):
-        request = request.model_copy(update={"skip_special_tokens": False})
-    response_id = random_id("chatcmpl")
-    planned, updates = await start_choices(request, runtime, [prompt_ids], response_id, grammar)
-    outputs = [ChoiceToolOutput(plan) if plan is not None and plan.parses_calls else None for _ in range(request.n)]
-    if request.stream:
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
-        return EventStreamResponse(
-            _stream(updates, response_id, runtime, outputs, len(prompt_ids), include_usage))
-    try:
-        results = await cancel_on_disconnect(raw_request, collect(updates, len(planned)))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    completion_tokens = sum(r.num_generated_tokens for r in results)
-    response = ChatCompletionResponse(
-        id=response_id,
-        model=runtime.model_name,
-        choices=[
-            ChatCompletionResponseChoice(index=i, message=_message(outputs[i], r.text),
-                                         finish_reason=_finish_reason(outputs[i], r.finish_reason),
-                                         logprobs=chat_logprobs(runtime, r.token_ids, r.logprobs))
-            for i, r in enumerate(results)
-        ],
-        usage=UsageInfo.of(len(prompt_ids), completion_tokens),
-    )
-    return JSONResponse(response.model_dump())
+    plan = await plan_chat(request, runtime)
+    writer = _ChatWriter(plan, runtime)
+    return await serve(raw_request, runtime, plan.request, [plan.prompt_ids], random_id("chatcmpl"), writer,
+                       stream=request.stream, grammar=plan.grammar)
+
+
+class _ChatWriter:
+    done_event = DONE_EVENT
+    error_event = staticmethod(sse_error_event)
+
+    def __init__(self, plan: ChatPlan, runtime: ModelRuntime):
+        self.plan = plan
+        self.runtime = runtime
+        self.outputs = plan.tool_outputs()
+
+    def body(self, generation: Generation, results: list[ChoiceResult]) -> dict[str, Any]:
+        outputs, runtime = self.outputs, self.runtime
+        return ChatCompletionResponse(
+            id=generation.response_id,
+            model=runtime.model_name,
+            choices=[
+                ChatCompletionResponseChoice(index=i, message=_message(outputs[i], r.text),
+                                             finish_reason=_finish_reason(outputs[i], r.finish_reason),
+                                             logprobs=chat_logprobs(runtime, r.token_ids, r.logprobs))
+                for i, r in enumerate(results)
+            ],
+            usage=UsageInfo.of(generation.prompt_tokens, completion_tokens(results)),
+        ).model_dump()
+
+    def events(self, generation: Generation) -> AsyncIterator[str]:
+        options = self.plan.request.stream_options
+        include_usage = options is not None and options.include_usage
+        return _stream(generation.updates, generation.response_id, self.runtime, self.outputs,
+                       generation.prompt_tokens, include_usage)
 
 
 def _message(tools: Optional[ChoiceToolOutput], text: str) -> ChatMessage:

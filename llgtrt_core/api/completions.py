@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from llgtrt_core.api.errors import APIError
-from llgtrt_core.api.generation import ChoiceResult, ChoiceUpdate, close_quietly, collect
+from llgtrt_core.api.generation import ChoiceResult, ChoiceUpdate, close_quietly
 from llgtrt_core.api.logprobs import CompletionLogprobsBuilder, mean_logprob, token_texts
 from llgtrt_core.api.prompts import completion_prompt_ids
 from llgtrt_core.api.protocol import (
@@ -21,41 +21,32 @@ from llgtrt_core.api.protocol import (
     now,
     random_id,
 )
-from llgtrt_core.api.sampling import check_request, start_choices
-from llgtrt_core.api.streaming import (
-    TEXT_PLACEHOLDER,
-    ClientDisconnected,
-    EventStreamResponse,
-    TextEvents,
-    cancel_on_disconnect,
-    sse_event,
-)
-from llgtrt_core.engine.interface import GenerationRequest, TokenLogprob
+from llgtrt_core.api.sampling import check_request
+from llgtrt_core.api.serving import Generation, completion_tokens, serve, start_generation
+from llgtrt_core.api.streaming import DONE_EVENT, TEXT_PLACEHOLDER, TextEvents, sse_error_event, sse_event
+from llgtrt_core.engine.interface import TokenLogprob
 from llgtrt_core.runtime import ModelRuntime
 
 
-async def _start(request: CompletionRequest, runtime: ModelRuntime, response_id: str
-                 ) -> tuple[list[list[int]], list[GenerationRequest], AsyncIterator[ChoiceUpdate]]:
+async def _prompts(request: CompletionRequest, runtime: ModelRuntime) -> list[list[int]]:
     check_request(request, runtime)
-    prompts = await completion_prompt_ids(request, runtime.tokenizer, runtime.tokenizer.vocab_size)
-    planned, updates = await start_choices(request, runtime, prompts, response_id)
-    return prompts, planned, updates
+    return await completion_prompt_ids(request, runtime.tokenizer, runtime.tokenizer.vocab_size)
 
 
 async def completion_text(request: CompletionRequest, runtime: ModelRuntime) -> AsyncIterator[str]:
     """The generated text as it comes, choices interleaved (bentoml's own `generate` API).
 
-    Bad requests raise APIError before the first piece.
+    Bad requests, and requests the engine refuses, raise APIError before the first piece.
     """
     if request.num_candidates > request.n:  # choosing the best needs whole candidates
         raise APIError("best_of greater than n is not available here; use /v1/completions", param="best_of")
-    _, _, updates = await _start(request, runtime, random_id("cmpl"))
+    generation = await start_generation(request, runtime, await _prompts(request, runtime), random_id("cmpl"))
     try:
-        async for update in updates:
+        async for update in generation.updates:
             if update.text:
                 yield update.text
     finally:
-        await close_quietly(updates)
+        await close_quietly(generation.updates)
 
 
 class _ChoiceText:
@@ -94,27 +85,34 @@ def _best_candidates(results: list[ChoiceResult], request: CompletionRequest) ->
 
 
 async def create_completion(request: CompletionRequest, runtime: ModelRuntime, raw_request: Request) -> Response:
-    response_id = random_id("cmpl")
-    prompts, planned, updates = await _start(request, runtime, response_id)
-    prompt_tokens = sum(len(p) for p in prompts)
-    if request.stream:
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
-        return EventStreamResponse(
-            _stream(updates, response_id, request, runtime, prompts, prompt_tokens, include_usage))
-    try:
-        results = await cancel_on_disconnect(raw_request, collect(updates, len(planned)))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    completion_tokens = sum(r.num_generated_tokens for r in results)  # every best_of candidate counts
-    choices = []
-    for index, (prompt_index, result) in enumerate(_best_candidates(results, request)):
-        text, logprobs = _ChoiceText(request, runtime, prompts[prompt_index]).piece(
-            result.text, result.token_ids, result.logprobs, result.prompt_logprobs)
-        choices.append(CompletionResponseChoice(index=index, text=text, logprobs=logprobs,
-                                                finish_reason=result.finish_reason))
-    response = CompletionResponse(id=response_id, model=runtime.model_name, choices=choices,
-                                  usage=UsageInfo.of(prompt_tokens, completion_tokens))
-    return JSONResponse(response.model_dump())
+    return await serve(raw_request, runtime, request, await _prompts(request, runtime), random_id("cmpl"),
+                       _CompletionWriter(request, runtime), stream=request.stream)
+
+
+class _CompletionWriter:
+    done_event = DONE_EVENT
+    error_event = staticmethod(sse_error_event)
+
+    def __init__(self, request: CompletionRequest, runtime: ModelRuntime):
+        self.request = request
+        self.runtime = runtime
+
+    def body(self, generation: Generation, results: list[ChoiceResult]) -> dict[str, Any]:
+        choices = []
+        for index, (prompt_index, result) in enumerate(_best_candidates(results, self.request)):
+            text, logprobs = _ChoiceText(self.request, self.runtime, generation.prompts[prompt_index]).piece(
+                result.text, result.token_ids, result.logprobs, result.prompt_logprobs)
+            choices.append(CompletionResponseChoice(index=index, text=text, logprobs=logprobs,
+                                                    finish_reason=result.finish_reason))
+        return CompletionResponse(id=generation.response_id, model=self.runtime.model_name, choices=choices,
+                                  usage=UsageInfo.of(generation.prompt_tokens, completion_tokens(results))
+                                  ).model_dump()
+
+    def events(self, generation: Generation) -> AsyncIterator[str]:
+        options = self.request.stream_options
+        include_usage = options is not None and options.include_usage
+        return _stream(generation.updates, generation.response_id, self.request, self.runtime, generation.prompts,
+                       generation.prompt_tokens, include_usage)
 
 
 async def _stream(updates: AsyncIterator[ChoiceUpdate], response_id: str, request: CompletionRequest,

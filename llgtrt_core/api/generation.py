@@ -16,6 +16,7 @@ from typing import AsyncIterator, Literal, Optional, Sequence, TypeVar
 import anyio
 
 from llgtrt_core.api.errors import APIError
+from llgtrt_core.constraints.errors import GrammarRequestError
 from llgtrt_core.detokenizer import IncrementalDetokenizer
 from llgtrt_core.engine.interface import (Engine, EngineError, EngineUnavailable, GenerationRequest, TokenDelta,
                                           TokenLogprob)
@@ -70,6 +71,11 @@ class ChoiceUpdate:
     logprobs: Optional[list[TokenLogprob]] = None
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
+    @property
+    def is_acceptance(self) -> bool:
+        """Only says the engine accepted the choice (its first delta brought nothing to hand out)."""
+        return not self.text and self.finish_reason is None and not self.token_ids
+
 
 async def close_quietly(iterator: AsyncIterator[object]) -> None:
     """Close an async iterator even inside a cancelled scope (a disconnect cancels the handler)."""
@@ -84,12 +90,15 @@ async def run_choice(
 ) -> AsyncIterator[ChoiceUpdate]:
     detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, options.skip_special_tokens)
     matcher = StopStringMatcher(options.stop_strings, options.include_stop_string)
+    """The choice's updates; the first one comes with the engine's first delta (an acceptance-only
+    update when that delta brought nothing to hand out), so a caller can wait for acceptance."""
     try:
         deltas: AsyncIterator[TokenDelta] = engine.generate(request)
     except EngineError as e:  # the engine refused the request (it checks what we could not)
         raise engine_refusal(e) from e
     num_generated = 0
     pending = _PendingTokens()
+    accepted = False
     try:
         async for delta in deltas:
             if delta.finish_reason in ("error", "abort"):
@@ -108,9 +117,14 @@ async def run_choice(
                 return
             if text:
                 yield pending.update(index, text, None, num_generated)
+            elif not accepted:
+                yield ChoiceUpdate(index, "", None, num_generated)
+            accepted = True
         raise GenerationFailed("the engine stream ended without a finish reason")
     except EngineError as e:  # raised on the first step when generate() is an async generator
         raise engine_refusal(e) from e
+    except GrammarRequestError as e:  # an engine that compiles the constraint itself
+        raise APIError(e.message, param=e.param) from e
     finally:
         await close_quietly(deltas)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import AsyncIterator, Awaitable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 import pydantic_core
 from fastapi import Request
@@ -67,21 +67,23 @@ def sse_error_event(info: ErrorInfo) -> str:
     return f"data: {json.dumps(error_body(info))}\n\n"
 
 
-async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Ends a stream of events with [DONE], or with an error event if producing them failed; one
-    cut by graceful shutdown with an error event, then [DONE]."""
+async def sse_stream(events: AsyncIterator[str], error_event: Callable[[ErrorInfo], str] = sse_error_event,
+                     done_event: Optional[str] = DONE_EVENT) -> AsyncIterator[str]:
+    """Ends a stream of events with `done_event`, or with `error_event` if producing them failed; one
+    cut by graceful shutdown with `error_event`, then `done_event`."""
     try:
         async for event in events:
             yield event
             if SHUTDOWN.cut:
-                yield sse_error_event(SHUTDOWN_CUT)
+                yield error_event(SHUTDOWN_CUT)
                 break
-        yield DONE_EVENT
+        if done_event is not None:
+            yield done_event
     except APIError as e:
-        yield sse_error_event(e.info)
+        yield error_event(e.info)
     except Exception as e:  # a bug: still end the stream the way the client understands
         logger.exception("streaming failed")
-        yield sse_error_event(ErrorInfo(message=f"internal error: {e!r}", type="server_error"))
+        yield error_event(ErrorInfo(message=f"internal error: {e!r}", type="server_error"))
     finally:
         await close_quietly(events)
 
@@ -89,8 +91,10 @@ async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
 class EventStreamResponse(StreamingResponse):
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str]):
-        super().__init__(sse_stream(events), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, events: AsyncIterator[str], error_event: Callable[[ErrorInfo], str] = sse_error_event,
+                 done_event: Optional[str] = DONE_EVENT):
+        super().__init__(sse_stream(events, error_event, done_event),
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def stream_response(self, send: Send) -> None:
         try:
