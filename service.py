@@ -21,6 +21,8 @@ import bentoml
 
 from llgtrt_core import metrics, model_store
 from llgtrt_core.api.app import API_PREFIX, GENERATION_PATHS, create_app
+from llgtrt_core.api.cors import ApiCors
+from llgtrt_core.api.health import create_root_app
 from llgtrt_core.api.completions import completion_text
 from llgtrt_core.api.errors import APIError
 from llgtrt_core.api.gate import RequestGate
@@ -56,10 +58,12 @@ def current_runtime() -> Optional[ModelRuntime]:
     return bentoml.get_current_service().runtime
 
 
-openai_app = create_app(current_runtime)
+openai_app = create_app(current_runtime, CONFIG.api)
+root_app = create_root_app(current_runtime)  # vLLM's /health and /version
 # BentoML's own routes, ours, and the OpenAI app's: any other path shares one label in /metrics.
 label_traffic_metrics_by_route(
-    {"/", "/livez", "/readyz", "/healthz", "/metrics", "/schema.json", "/docs.json", *GENERATION_PATHS,
+    {"/", "/livez", "/readyz", "/healthz", "/metrics", "/schema.json", "/docs.json", "/health", "/version",
+     *GENERATION_PATHS,
      *(f"{API_PREFIX}{route.path}" for route in openai_app.routes)},
     ("/static_content/", "/assets/"))
 
@@ -80,6 +84,7 @@ def apply_tokenizer_overrides(tokenizer: Tokenizer, overrides: TokenizerConfig) 
     tracing={"excluded_urls": sorted(GENERATION_PATHS)},
 )
 @bentoml.asgi_app(openai_app, path=API_PREFIX)
+@bentoml.asgi_app(root_app, path="/")
 class LLM:
     # A class attribute, so `bentoml build` bundles the model into the Bento.
     model = bentoml.models.BentoModel(CONFIG.model_tag)
@@ -170,5 +175,8 @@ def _bentoml_error(error: APIError) -> bentoml.exceptions.BentoMLException:
     return bentoml.exceptions.BentoMLException(message, error_code=HTTPStatus(error.status_code))
 
 
+# Outside the gate (added first), so preflights, which carry no API key, are answered.
+if CONFIG.api.cors_allow_origins:
+    LLM.add_asgi_middleware(ApiCors, allow_origins=CONFIG.api.cors_allow_origins)
 # Once for every protected route: /v1/* and GENERATION_PATHS (api/gate.py).
 LLM.add_asgi_middleware(RequestGate, server=CONFIG.server)

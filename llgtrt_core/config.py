@@ -143,12 +143,23 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class ApiConfig:
+    cors_allow_origins: list[str] = option([], "Origins browsers may call /v1/* from (CORS), e.g. "
+                                               "[\"https://app.example.com\"] or [\"*\"]; empty: CORS off.")
+    response_store_size: int = option(1024, "Responses API: responses kept for previous_response_id and "
+                                            "GET /v1/responses/{id}, in memory, per replica (the oldest go "
+                                            "first). 0: nothing is stored.")
+    response_store_ttl_seconds: int = option(3600, "Responses API: how long a stored response is kept.")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = option(ModelConfig(), "Which stored model to serve.")
     runtime: RuntimeConfig = option(RuntimeConfig(), "The engine: batching, token budget, KV cache, device.")
     tokenizer: TokenizerConfig = option(TokenizerConfig(), "Tokenizer and chat template overrides.")
     llguidance: LlguidanceConfig = option(LlguidanceConfig(), "Structured output (llguidance).")
     server: ServerConfig = option(ServerConfig(), "HTTP: authentication and request limits.")
+    api: ApiConfig = option(ApiConfig(), "OpenAI API surface: CORS, the Responses API's store.")
 
     @property
     def model_tag(self) -> str:

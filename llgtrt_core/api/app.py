@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
+from starlette.routing import Match
 
 from llgtrt_core.api.chat import create_chat_completion
 from llgtrt_core.api.completions import create_completion
@@ -24,7 +25,11 @@ from llgtrt_core.api.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from llgtrt_core.api.response_store import ResponseStore
+from llgtrt_core.api.responses import ResponsesAPI
+from llgtrt_core.api.responses_protocol import ResponseDeleted, ResponseObject, ResponsesRequest
 from llgtrt_core.api.tokenize import tokenize, detokenize
+from llgtrt_core.config import ApiConfig
 from llgtrt_core.runtime import ModelRuntime
 
 _ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 404, 500, 503)}
@@ -33,7 +38,8 @@ API_PREFIX = "/v1"  # where the service mounts this app
 # Every route that generates text, by full path. Declared once, here: the request gate (api/gate.py)
 # admits them (429, one place per sequence) and drains them on shutdown, and tracing skips them
 # (service.py). A new generating route is one more entry; one left out fails on its first request.
-GENERATION_PATHS = frozenset({f"{API_PREFIX}/chat/completions", f"{API_PREFIX}/completions", "/generate"})
+GENERATION_PATHS = frozenset({f"{API_PREFIX}/chat/completions", f"{API_PREFIX}/completions", f"{API_PREFIX}/responses",
+                              "/generate"})
 
 
 def is_protected(path: str) -> bool:
@@ -41,10 +47,11 @@ def is_protected(path: str) -> bool:
     return path == API_PREFIX or path.startswith(f"{API_PREFIX}/") or path in GENERATION_PATHS
 
 
-def create_app(get_runtime: Callable[[], Optional[ModelRuntime]]) -> FastAPI:
+def create_app(get_runtime: Callable[[], Optional[ModelRuntime]], config: ApiConfig = ApiConfig()) -> FastAPI:
     """`get_runtime` returns the loaded model, or None / raises while it is still loading."""
     app = FastAPI(title="llgtrt OpenAI-compatible API", responses=_ERROR_RESPONSES)
     install_error_handlers(app)
+    responses_api = ResponsesAPI(ResponseStore(config.response_store_size, config.response_store_ttl_seconds))
 
     def runtime() -> ModelRuntime:
         try:
@@ -65,9 +72,33 @@ def create_app(get_runtime: Callable[[], Optional[ModelRuntime]]) -> FastAPI:
                           loaded: ModelRuntime = Depends(runtime)) -> Response:
         return await create_completion(request, loaded, raw_request)
 
+    @app.post("/responses", response_model=ResponseObject)
+    async def create_response(request: ResponsesRequest, raw_request: Request,
+                              loaded: ModelRuntime = Depends(runtime)) -> Response:
+        return await responses_api.create(request, loaded, raw_request)
+
+    @app.get("/responses/{response_id}", response_model=ResponseObject)
+    async def retrieve_response(response_id: str) -> dict[str, Any]:
+        return responses_api.retrieve(response_id)
+
+    @app.delete("/responses/{response_id}", response_model=ResponseDeleted)
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return responses_api.delete(response_id)
+
+    @app.post("/responses/{response_id}/cancel", response_model=ResponseObject)
+    async def cancel_response(response_id: str) -> dict[str, Any]:
+        return responses_api.cancel(response_id)
+
     @app.get("/models", response_model=ModelList)
     async def models(loaded: ModelRuntime = Depends(runtime)) -> ModelList:
-        return ModelList(data=[ModelCard(id=loaded.model_name, max_model_len=loaded.engine.max_model_len)])
+        return ModelList(data=[_model_card(loaded)])
+
+    @app.get("/models/{model_id:path}", response_model=ModelCard)
+    async def model(model_id: str, loaded: ModelRuntime = Depends(runtime)) -> ModelCard:
+        if model_id != loaded.model_name:
+            raise APIError(f"The model `{model_id}` does not exist.", status_code=404, param="model",
+                           code="model_not_found")
+        return _model_card(loaded)
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize_route(request: TokenizeRequest, loaded: ModelRuntime = Depends(runtime)) -> TokenizeResponse:
@@ -82,4 +113,26 @@ def create_app(get_runtime: Callable[[], Optional[ModelRuntime]]) -> FastAPI:
     async def engine_stats(loaded: ModelRuntime = Depends(runtime)) -> EngineStats:
         return EngineStats(num_active=loaded.engine.num_active, **await loaded.engine.stats())
 
+    _answer_unknown_paths(app)
     return app
+
+
+def _model_card(loaded: ModelRuntime) -> ModelCard:
+    return ModelCard(id=loaded.model_name, max_model_len=loaded.engine.max_model_len)
+
+
+def _answer_unknown_paths(app: FastAPI) -> None:
+    """OpenAI's JSON 404 / 405 for every path under the mount. BentoML mounts the app passively (it
+    only hands over a request some route of the app matches) and answers plain text otherwise, so a
+    last route matches every path and method, and tells 405 (another route has the path) from 404."""
+    known_routes = list(app.router.routes)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"], include_in_schema=False)
+    async def unknown_path(request: Request) -> Response:
+        allowed = sorted({method for route in known_routes if route.matches(request.scope)[0] == Match.PARTIAL
+                          for method in getattr(route, "methods", None) or ()})
+        if allowed:
+            raise APIError(f"Method {request.method} is not allowed on {request.url.path}", status_code=405,
+                           headers={"Allow": ", ".join(allowed)})
+        raise APIError(f"Unknown request URL: {request.method} {request.url.path}. Please check the URL for typos.",
+                       status_code=404, code="unknown_url")

@@ -32,9 +32,10 @@ _MAX_REPORTED_VALIDATION_ERRORS = 3
 
 class APIError(Exception):
     def __init__(self, message: str, *, status_code: int = 400, param: Optional[str] = None,
-                 code: Optional[str] = None, type: Optional[str] = None):
+                 code: Optional[str] = None, type: Optional[str] = None, headers: Optional[dict[str, str]] = None):
         super().__init__(message)
         self.status_code = status_code
+        self.headers = headers
         self.info = ErrorInfo(message=message, type=type or error_type(status_code), param=param, code=code)
 
 
@@ -99,7 +100,7 @@ def validation_error(errors: Sequence[dict[str, Any]]) -> ErrorInfo:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _json_response(exc.status_code, exc.info)
+        return _json_response(exc.status_code, exc.info, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -211,9 +211,23 @@ ChatCompletionContentPart = Union[
 ]
 
 
+def _without(data: Any, client_side: frozenset[str]) -> Any:
+    """The official SDK's `parse()` returns messages with client-side fields (`parsed`,
+    `parsed_arguments`, ...); a client appends them to its conversation and sends them back, so
+    they are accepted and dropped (unknown fields elsewhere stay a 400)."""
+    if not isinstance(data, dict):
+        return data
+    return {key: value for key, value in data.items() if key not in client_side}
+
+
 class FunctionCall(OpenAIBaseModel):
     name: str
     arguments: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_client_side_fields(cls, data: Any) -> Any:
+        return _without(data, frozenset({"parsed_arguments"}))
 
 
 class ChatCompletionMessageToolCall(OpenAIBaseModel):
@@ -232,6 +246,11 @@ class ChatCompletionMessageParam(BaseModel):
     tool_calls: Optional[list[ChatCompletionMessageToolCall]] = None
     tool_call_id: Optional[str] = None
     refusal: Optional[str] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_client_side_fields(cls, data: Any) -> Any:
+        return _without(data, frozenset({"parsed", "annotations", "audio"}))
 
 
 class ChatCompletionNamedFunction(OpenAIBaseModel):

@@ -88,6 +88,10 @@ class ChoiceToolOutput:
     def made_calls(self) -> bool:
         return bool(self._ids)
 
+    def call_id(self, index: int) -> str:
+        """The id of call `index`, once its CallStart came out of `events`."""
+        return self._ids[index]
+
     def finish_reason(self, finish_reason: Optional[str]) -> Optional[str]:
         return None if finish_reason is None else self.plan.finish_reason(finish_reason, self.made_calls)
 
