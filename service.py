@@ -58,7 +58,7 @@ def current_runtime() -> Optional[ModelRuntime]:
     return bentoml.get_current_service().runtime
 
 
-openai_app = create_app(current_runtime, CONFIG.api)
+openai_app = create_app(current_runtime, CONFIG.server)
 root_app = create_root_app(current_runtime)  # vLLM's /health and /version
 # BentoML's own routes, ours, and the OpenAI app's: any other path shares one label in /metrics.
 label_traffic_metrics_by_route(
@@ -176,7 +176,7 @@ def _bentoml_error(error: APIError) -> bentoml.exceptions.BentoMLException:
 
 
 # Outside the gate (added first), so preflights, which carry no API key, are answered.
-if CONFIG.api.cors_allow_origins:
-    LLM.add_asgi_middleware(ApiCors, allow_origins=CONFIG.api.cors_allow_origins)
+if CONFIG.server.cors_allow_origins:
+    LLM.add_asgi_middleware(ApiCors, allow_origins=CONFIG.server.cors_allow_origins)
 # Once for every protected route: /v1/* and GENERATION_PATHS (api/gate.py).
 LLM.add_asgi_middleware(RequestGate, server=CONFIG.server)

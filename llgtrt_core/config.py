@@ -140,10 +140,6 @@ class ServerConfig:
                                               "limit.")
     max_messages: int = option(4096, "Messages of one chat or tokenize request; past it a 400. 0: no limit.")
     max_tools: int = option(128, "Tools (and legacy functions) of one request; past it a 400. 0: no limit.")
-
-
-@dataclass(frozen=True)
-class ApiConfig:
     cors_allow_origins: list[str] = option([], "Origins browsers may call /v1/* from (CORS), e.g. "
                                                "[\"https://app.example.com\"] or [\"*\"]; empty: CORS off.")
     response_store_size: int = option(1024, "Responses API: responses kept for previous_response_id and "
@@ -158,8 +154,7 @@ class Config:
     runtime: RuntimeConfig = option(RuntimeConfig(), "The engine: batching, token budget, KV cache, device.")
     tokenizer: TokenizerConfig = option(TokenizerConfig(), "Tokenizer and chat template overrides.")
     llguidance: LlguidanceConfig = option(LlguidanceConfig(), "Structured output (llguidance).")
-    server: ServerConfig = option(ServerConfig(), "HTTP: authentication and request limits.")
-    api: ApiConfig = option(ApiConfig(), "OpenAI API surface: CORS, the Responses API's store.")
+    server: ServerConfig = option(ServerConfig(), "HTTP: authentication, request limits, CORS, stored responses.")
 
     @property
     def model_tag(self) -> str:

@@ -29,7 +29,7 @@ from llgtrt_core.api.response_store import ResponseStore
 from llgtrt_core.api.responses import ResponsesAPI
 from llgtrt_core.api.responses_protocol import ResponseDeleted, ResponseObject, ResponsesRequest
 from llgtrt_core.api.tokenize import tokenize, detokenize
-from llgtrt_core.config import ApiConfig
+from llgtrt_core.config import ServerConfig
 from llgtrt_core.runtime import ModelRuntime
 
 _ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 404, 500, 503)}
@@ -47,7 +47,7 @@ def is_protected(path: str) -> bool:
     return path == API_PREFIX or path.startswith(f"{API_PREFIX}/") or path in GENERATION_PATHS
 
 
-def create_app(get_runtime: Callable[[], Optional[ModelRuntime]], config: ApiConfig = ApiConfig()) -> FastAPI:
+def create_app(get_runtime: Callable[[], Optional[ModelRuntime]], config: ServerConfig = ServerConfig()) -> FastAPI:
     """`get_runtime` returns the loaded model, or None / raises while it is still loading."""
     app = FastAPI(title="llgtrt OpenAI-compatible API", responses=_ERROR_RESPONSES)
     install_error_handlers(app)
