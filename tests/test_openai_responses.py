@@ -188,3 +188,19 @@ def test_logprobs_via_include(openai_client, served_model) -> None:
     logprobs = response.output[0].content[0].logprobs
     assert len(logprobs) > 0 and all(len(lp.top_logprobs) == 2 for lp in logprobs)
     assert "".join(lp.token for lp in logprobs) == response.output_text
+
+
+def test_cancel_stops_a_streamed_response_in_progress(openai_client, served_model) -> None:
+    digits = {"type": "json_schema", "name": "digits", "schema": {  # cannot end early
+        "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 400}}
+    stream = openai_client.responses.create(model=served_model, input="Digits please.", stream=True, temperature=0,
+                                            max_output_tokens=3000, text={"format": digits})
+    events = iter(stream)
+    created = next(events)
+    assert created.type == "response.created"
+    cancelled = openai_client.responses.cancel(created.response.id)
+    assert cancelled.status == "cancelled"
+    rest = list(events)
+    assert rest[-1].type == "response.failed" and rest[-1].response.status == "cancelled"
+    assert len(rest[-1].response.output_text) < 800  # stopped long before the 400 digits
+    assert openai_client.responses.retrieve(created.response.id).status == "cancelled"

@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from llgtrt_core.api.chat import ChatPlan, plan_chat
 from llgtrt_core.api.errors import APIError
@@ -252,7 +253,7 @@ def _new_response(request: ResponsesRequest, model: str) -> ResponseObject:
     return ResponseObject(
         id=new_id("resp"), model=model, instructions=request.instructions,
         parallel_tool_calls=request.parallel_tool_calls is not False,
-        tool_choice=request.tool_choice.model_dump() if hasattr(request.tool_choice, "model_dump")
+        tool_choice=request.tool_choice.model_dump() if isinstance(request.tool_choice, BaseModel)
         else request.tool_choice or "auto",
         tools=[t.model_dump(exclude_none=True) for t in request.tools or []],
         text={"format": {"type": "text"}, **text},
@@ -385,7 +386,7 @@ class _ResponsesWriter:
     def error_event(self, info: ErrorInfo) -> str:
         """The events ending a stream that failed (or was cancelled) after its 200."""
         events = [self._event(e) for e in self.output.close("incomplete")]
-        if isinstance(info, ErrorInfo) and info.code == "cancelled":
+        if info.code == GenerationStopped.CODE:
             self.response.status = "cancelled"
         else:
             self.response.status = "failed"

@@ -42,8 +42,10 @@ class Generation:
 class GenerationStopped(APIError):
     """The generation was stopped on purpose (a cancelled response), not by a failure."""
 
+    CODE = "cancelled"
+
     def __init__(self) -> None:
-        super().__init__("the response was cancelled", code="cancelled")
+        super().__init__("the response was cancelled", code=self.CODE)
 
 
 def completion_tokens(results: list[ChoiceResult]) -> int:
