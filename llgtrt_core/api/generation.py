@@ -88,10 +88,10 @@ async def close_quietly(iterator: AsyncIterator[object]) -> None:
 async def run_choice(
     engine: Engine, tokenizer: Tokenizer, index: int, request: GenerationRequest, options: TextOptions
 ) -> AsyncIterator[ChoiceUpdate]:
-    detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, options.skip_special_tokens)
-    matcher = StopStringMatcher(options.stop_strings, options.include_stop_string)
     """The choice's updates; the first one comes with the engine's first delta (an acceptance-only
     update when that delta brought nothing to hand out), so a caller can wait for acceptance."""
+    detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, options.skip_special_tokens)
+    matcher = StopStringMatcher(options.stop_strings, options.include_stop_string)
     try:
         deltas: AsyncIterator[TokenDelta] = engine.generate(request)
     except EngineError as e:  # the engine refused the request (it checks what we could not)
