@@ -6,7 +6,8 @@ from typing import Any, Callable, Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
-from starlette.routing import Match
+from starlette.routing import Match, Route, Router
+from starlette.types import Scope
 
 from llgtrt_core.api.chat import create_chat_completion
 from llgtrt_core.api.completions import create_completion
@@ -113,7 +114,7 @@ def create_app(get_runtime: Callable[[], Optional[ModelRuntime]], config: Server
     async def engine_stats(loaded: ModelRuntime = Depends(runtime)) -> EngineStats:
         return EngineStats(num_active=loaded.engine.num_active, **await loaded.engine.stats())
 
-    _answer_unknown_paths(app)
+    app.router.routes.append(_UnknownPath(app.router))
     return app
 
 
@@ -121,18 +122,23 @@ def _model_card(loaded: ModelRuntime) -> ModelCard:
     return ModelCard(id=loaded.model_name, max_model_len=loaded.engine.max_model_len)
 
 
-def _answer_unknown_paths(app: FastAPI) -> None:
-    """OpenAI's JSON 404 / 405 for every path under the mount. BentoML mounts the app passively (it
-    only hands over a request some route of the app matches) and answers plain text otherwise, so a
-    last route matches every path and method, and tells 405 (another route has the path) from 404."""
-    known_routes = list(app.router.routes)
+class _UnknownPath(Route):
+    """Every path no other route of the app has, whatever the order routes were added in: OpenAI's
+    JSON 404. BentoML mounts the app passively (it hands a request over only when some route of the
+    app matches, and answers plain text itself otherwise), so without this route unknown paths under
+    the mount never reach the app. A path another route has with another method is left to that
+    route (Starlette's 405 with Allow, in the JSON error shape)."""
 
-    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"], include_in_schema=False)
-    async def unknown_path(request: Request) -> Response:
-        allowed = sorted({method for route in known_routes if route.matches(request.scope)[0] == Match.PARTIAL
-                          for method in getattr(route, "methods", None) or ()})
-        if allowed:
-            raise APIError(f"Method {request.method} is not allowed on {request.url.path}", status_code=405,
-                           headers={"Allow": ", ".join(allowed)})
+    def __init__(self, router: Router) -> None:
+        super().__init__("/{path:path}", self._answer, include_in_schema=False,
+                         methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
+        self.router = router
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if any(route.matches(scope)[0] != Match.NONE for route in self.router.routes if route is not self):
+            return Match.NONE, {}
+        return super().matches(scope)
+
+    async def _answer(self, request: Request) -> Response:
         raise APIError(f"Unknown request URL: {request.method} {request.url.path}. Please check the URL for typos.",
                        status_code=404, code="unknown_url")
