@@ -16,6 +16,8 @@ from typing import AsyncIterator, Literal, Mapping, Optional, Protocol, Sequence
 
 import torch
 
+from llgtrt_core.engine.dry import DryParams
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 # Which distribution logprobs report: the model's own ("raw", before the constraint mask and every
 # sampling control) or the one the token is drawn from ("processed"). docs/sampling.md.
@@ -26,7 +28,7 @@ LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 class SamplingParams:
     """Per-request decoding controls, already validated by the serving layer.
 
-    Applied in this order (docs/sampling.md): constraint mask, min_tokens, logit_bias, penalties,
+    Applied in this order (docs/sampling.md): DRY, constraint mask, min_tokens, logit_bias, penalties,
     temperature, min_p, top_k, top_p, then the draw (argmax when greedy).
     """
 
@@ -45,6 +47,7 @@ class SamplingParams:
     logprobs: Optional[int] = None  # report each sampled token's logprob and this many alternatives
     prompt_logprobs: Optional[int] = None  # the same for every prompt token but the first
     logprobs_mode: LogprobsMode = "raw_logprobs"
+    dry: Optional[DryParams] = None  # the DRY sampler (engine/dry.py), applied to the logits first
 
     @property
     def greedy(self) -> bool:
