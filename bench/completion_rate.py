@@ -12,8 +12,9 @@ sampling field, once per setting, in the same run:
 
 Each setting reports the share of served requests ending `stop`, the share of those whose
 content validates against the schema (jsonschema), the share ending `length`, requests refused
-or failed, and completion tokens per answer. Rounds repeat the same schemas with other request
-seeds; the figures are given per round and as the spread over rounds.
+or failed, and completion tokens per answer. The draw is split into rounds (each its own schemas
+and request seeds, every setting on the same ones); figures are given over the whole draw, per
+round, and as the spread over rounds.
 
     python bench/completion_rate.py                       # starts its own server (loopback)
     python bench/completion_rate.py --url http://127.0.0.1:3000 --peer-url http://127.0.0.1:8080 \
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -170,20 +172,26 @@ async def run(url: str, args: argparse.Namespace) -> dict[str, Any]:
     if args.peer_url:
         targets.append(("peer", args.peer_url, {}, args.peer_model))
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in targets}
+    totals = {name: Tally() for name, *_ in targets}
+    size = -(-len(schemas) // args.rounds)
     for round_index in range(args.rounds):
+        part = schemas[round_index * size:(round_index + 1) * size]
         for name, target_url, extra, model in targets:
-            tally, seconds = await run_setting(target_url, schemas, extra, seed + 1000 * round_index, args, model)
+            tally, seconds = await run_setting(target_url, part, extra, seed + 1000 * round_index, args, model)
+            totals[name].outcomes += tally.outcomes
             summary = {**tally.summary(), "seconds": round(seconds, 1)}
             rounds[name].append(summary)
             print(f"round {round_index} {name}: {json.dumps(summary)}; load average "
-                  f"{' '.join(f'{x:.2f}' for x in __import__('os').getloadavg())}", flush=True)
+                  f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     report = {"seed": seed, "machine": machine(), "schemas": [name for name, _ in schemas],
               "max_tokens": args.max_tokens, "settings": {**settings, **({"peer": args.peer_url} if args.peer_url else {})},
-              "rounds": rounds}
+              "rounds": rounds, "totals": {name: tally.summary() for name, tally in totals.items()}}
     for name, results in rounds.items():
-        line = ", ".join(f"{key} {spread([r[key] for r in results])}"
+        total = totals[name].summary()
+        line = ", ".join(f"{key} {total[key]:.3f} (rounds {spread([r[key] for r in results])})"
                          for key in ("stop", "stop_valid", "length", "tokens_per_answer"))
-        print(f"{name}: {line}; refused {[r['refused'] for r in results]}, failed {[r['failed'] for r in results]}")
+        print(f"{name}: served {total['served']}/{total['requests']}, {line}; refused {total['refused']}, "
+              f"failed {total['failed']}")
     return report
 
 
@@ -193,7 +201,7 @@ def main() -> None:
     parser.add_argument("--bentoml-home", type=Path, help="model store for the server started here")
     parser.add_argument("--peer-url", help="another OpenAI-compatible server, same requests (e.g. llama-server)")
     parser.add_argument("--peer-model", help="model name to send the peer (default: none)")
-    parser.add_argument("--schemas", type=int, default=100)
+    parser.add_argument("--schemas", type=int, default=102, help="drawn in all, split over the rounds")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))

@@ -43,8 +43,10 @@ async def create_chat_completion(request: ChatCompletionRequest, runtime: ModelR
     if keeps_special_tokens(plan, runtime.tokenizer):
         request = request.model_copy(update={"skip_special_tokens": False})
     response_id = random_id("chatcmpl")
-    planned, updates = await start_choices(request, runtime, [prompt_ids], response_id, grammar)
-    outputs = [ChoiceToolOutput(plan) if plan is not None and plan.parses_calls else None for _ in range(request.n)]
+    parses_calls = plan is not None and plan.parses_calls
+    repeats_stop = plan.format if parses_calls and request.stop_repeated_tool_calls else None
+    planned, updates = await start_choices(request, runtime, [prompt_ids], response_id, grammar, repeats_stop)
+    outputs = [ChoiceToolOutput(plan) if parses_calls else None for _ in range(request.n)]
     if request.stream:
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         return EventStreamResponse(

@@ -112,7 +112,7 @@ class ConstraintFields(OpenAIBaseModel):
     guided_grammar: Optional[str] = None
     guided_whitespace_pattern: Optional[str] = None
     # JSON schemas: default bounds on numbers (docs/sampling.md); null: the server's default.
-    bounded_numbers: Optional[bool] = None
+    bounded_numbers: Optional[StrictBool] = None
 
 
 # --------------------------------------------------------------------------- shared request fields
@@ -153,7 +153,7 @@ class SamplingFields(OpenAIBaseModel):
     # Which distribution logprobs report: the model's (raw) or the sampled-from one (docs/sampling.md).
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     # Constrained requests: steer a looping answer out of its loop (docs/sampling.md); null: the server's default.
-    loop_guard: Optional[bool] = None
+    loop_guard: Optional[StrictBool] = None
     # llama.cpp's DRY sampler (docs/sampling.md); off while dry_multiplier is 0.
     dry_multiplier: float = Field(default=0.0, ge=0.0)
     dry_base: float = Field(default=1.75, ge=1.0)
@@ -282,6 +282,8 @@ class ChatCompletionRequest(SamplingFields, ConstraintFields):
     tools: Optional[list[ChatCompletionTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], ChatCompletionNamedToolChoice]] = None
     parallel_tool_calls: Optional[StrictBool] = None
+    # End the answer where the model starts repeating a tool call it made (same name and arguments).
+    stop_repeated_tool_calls: StrictBool = True
     functions: Optional[list[FunctionDefinition]] = None  # deprecated by tools
     function_call: Optional[Union[Literal["none", "auto"], ChatCompletionNamedFunction]] = None
     audio: Optional[dict[str, Any]] = None

@@ -19,6 +19,7 @@ from llgtrt_core.constraints.request_grammar import RequestGrammar
 from llgtrt_core.engine.dry import DryParams, breaker_token_ids
 from llgtrt_core.engine.interface import Constraint, GenerationRequest, SamplingParams
 from llgtrt_core.runtime import ModelRuntime
+from llgtrt_core.tools.formats import ToolFormat
 
 ApiRequest = Union[ChatCompletionRequest, CompletionRequest]
 
@@ -116,8 +117,9 @@ def _breaker_ids(ll_tokenizer: Any, breakers: tuple[str, ...]) -> frozenset[int]
     return breaker_token_ids(texts, breakers)
 
 
-def _text_options(request: ApiRequest) -> TextOptions:
-    return TextOptions(request.stop_strings, request.include_stop_str_in_output, request.skip_special_tokens)
+def _text_options(request: ApiRequest, repeated_calls_stop: Optional[ToolFormat]) -> TextOptions:
+    return TextOptions(request.stop_strings, request.include_stop_str_in_output, request.skip_special_tokens,
+                       repeated_calls_stop)
 
 
 async def _engine_requests(request: ApiRequest, runtime: ModelRuntime, prompts: list[list[int]],
@@ -163,12 +165,13 @@ async def _engine_requests(request: ApiRequest, runtime: ModelRuntime, prompts: 
 
 
 async def start_choices(request: ApiRequest, runtime: ModelRuntime, prompts: list[list[int]], request_id: str,
-                        grammar: Optional[RequestGrammar] = None
+                        grammar: Optional[RequestGrammar] = None, repeated_calls_stop: Optional[ToolFormat] = None
                         ) -> tuple[list[GenerationRequest], AsyncIterator[ChoiceUpdate]]:
     """Take the request's admission places, plan every choice and return their merged updates
-    (nothing runs until iterated)."""
+    (nothing runs until iterated). `repeated_calls_stop`: the tool format whose calls end a choice
+    when one repeats."""
     await admit(len(prompts) * request.num_candidates)
     planned = await _engine_requests(request, runtime, prompts, request_id, grammar)
-    options = _text_options(request)
+    options = _text_options(request, repeated_calls_stop)
     choices = [run_choice(runtime.engine, runtime.tokenizer, i, r, options) for i, r in enumerate(planned)]
     return planned, merge(choices)
