@@ -174,7 +174,7 @@ async def run(url: str, args: argparse.Namespace) -> dict[str, Any]:
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in targets}
     totals = {name: Tally() for name, *_ in targets}
     size = -(-len(schemas) // args.rounds)
-    for round_index in range(args.rounds):
+    for round_index in args.only_rounds if args.only_rounds is not None else range(args.rounds):
         part = schemas[round_index * size:(round_index + 1) * size]
         for name, target_url, extra, model in targets:
             tally, seconds = await run_setting(target_url, part, extra, seed + 1000 * round_index, args, model)
@@ -204,6 +204,8 @@ def main() -> None:
     parser.add_argument("--schemas", type=int, default=102, help="drawn in all, split over the rounds")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only-rounds", nargs="+", type=int, metavar="R",
+                        help="run these rounds of the draw only (0-based), e.g. to finish a draw in parts")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--max-tokens", type=int, default=600)
     parser.add_argument("--max-schema-chars", type=int, default=6000)

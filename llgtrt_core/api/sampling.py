@@ -6,6 +6,7 @@ naming the parameter: unsupported parameters, prompts longer than the context, b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, AsyncIterator, Optional, Union
 
@@ -159,8 +160,10 @@ async def _engine_requests(request: ApiRequest, runtime: ModelRuntime, prompts: 
                 logprobs_mode=request.logprobs_mode,
                 dry=dry,
             )
-            planned.append(GenerationRequest(f"{request_id}-{index}", prompt_ids, sampling,
-                                             await make_constraint(request, runtime, grammar)))
+            constraint = await make_constraint(request, runtime, grammar)
+            if constraint is not None:
+                sampling = dataclasses.replace(sampling, loop_guard=runtime.grammars.loop_guard_for(request))
+            planned.append(GenerationRequest(f"{request_id}-{index}", prompt_ids, sampling, constraint))
     return planned
 
 

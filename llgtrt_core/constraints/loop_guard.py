@@ -19,24 +19,15 @@ long is never touched: its masks are the grammar's own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from llgtrt_core.engine.interface import ConstrainedRow
+from llgtrt_core.engine.interface import ConstrainedRow, LoopGuardSettings
 
 _PUNCTUATION = frozenset('"{}[],:')  # a period holding one of these repeats JSON items or keys
 _VALUE_ENDERS = frozenset('"]},')  # characters of the tokens that end a value
 _CONTAINER_CLOSERS = frozenset("]}")
-
-
-@dataclass(frozen=True)
-class LoopGuardSettings:
-    """When a tail of tokens counts as a loop (config `llguidance.loop_guard`, docs/configuration.md)."""
-
-    min_span: int = 32  # the periodic tail covers at least this many tokens
-    min_repeats: int = 3  # ... and at least this many periods
 
 
 class LoopGuard:

@@ -25,6 +25,15 @@ LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 
 
 @dataclass(frozen=True)
+class LoopGuardSettings:
+    """When a constrained answer's tail of tokens counts as a loop (constraints/loop_guard.py;
+    config `llguidance.loop_guard`)."""
+
+    min_span: int = 32  # the periodic tail covers at least this many tokens
+    min_repeats: int = 3  # ... and at least this many periods
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding controls, already validated by the serving layer.
 
@@ -48,6 +57,9 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None  # the same for every prompt token but the first
     logprobs_mode: LogprobsMode = "raw_logprobs"
     dry: Optional[DryParams] = None  # the DRY sampler (engine/dry.py), applied to the logits first
+    # Constrained requests: the loop guard's settings (constraints/loop_guard.py); None: off. An engine
+    # that rebuilds the constraint elsewhere (another process) gives it a guard with these.
+    loop_guard: Optional[LoopGuardSettings] = None
 
     @property
     def greedy(self) -> bool:
