@@ -155,8 +155,8 @@ class SamplingFields(OpenAIBaseModel):
     # Constrained requests: steer a looping answer out of its loop (docs/sampling.md); null: the server's default.
     loop_guard: Optional[StrictBool] = None
     # llama.cpp's DRY sampler (docs/sampling.md); off while dry_multiplier is 0.
-    dry_multiplier: float = Field(default=0.0, ge=0.0)
-    dry_base: float = Field(default=1.75, ge=1.0)
+    dry_multiplier: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    dry_base: float = Field(default=1.75, ge=1.0, allow_inf_nan=False)
     dry_allowed_length: int = Field(default=2, ge=1)
     dry_penalty_last_n: int = Field(default=-1, ge=-1)  # -1: the whole context; 0: off
     dry_sequence_breakers: list[str] = Field(default_factory=lambda: list(DRY_SEQUENCE_BREAKERS), max_length=64)
