@@ -44,7 +44,7 @@ def stubborn_model(parts, hf_tokenizer, schema: dict, prefix: str, unit: str, gu
     wanted token when the mask allows it, else the first allowed token (and then wants `unit`
     again). Returns (text, "stop" | "length")."""
     compiler, processor = parts
-    constraint = compiler.new_constraint(asyncio.run(compiler.compile(json_schema_grammar(schema))), guard)
+    constraint = compiler.new_constraint(asyncio.run(compiler.compile(json_schema_grammar(schema))), loop_guard=guard)
     eos = set(compiler.tokenizer.eos_tokens)
     wanted = hf_tokenizer.encode(prefix + unit * 100, add_special_tokens=False)
     out: list[int] = []
@@ -97,7 +97,7 @@ def test_an_answer_that_does_not_loop_keeps_the_grammars_masks(parts, hf_tokeniz
     document = json.dumps({"tags": [f"tag {i} of the list" for i in range(10)], "n": 1000000},
                           separators=(",", ":"))
     compiled = asyncio.run(compiler.compile(json_schema_grammar(schema)))
-    guarded, plain = compiler.new_constraint(compiled, LoopGuardSettings()), compiler.new_constraint(compiled)
+    guarded, plain = compiler.new_constraint(compiled, loop_guard=LoopGuardSettings()), compiler.new_constraint(compiled)
     token = None
     for next_token in [*hf_tokenizer.encode(document, add_special_tokens=False), None]:
         masks = processor.fill([ConstrainedRow(guarded, 0, token), ConstrainedRow(plain, 1, token)])

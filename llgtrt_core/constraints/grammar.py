@@ -185,14 +185,14 @@ class GrammarCompiler:
         if found is None:
             return None
         return self.new_constraint(await self.compile(found.grammar, found.param), found.param,
-                                   self.loop_guard_for(request))
+                                   loop_guard=self.loop_guard_for(request))
 
     def loop_guard_for(self, request: Any) -> Optional[LoopGuardSettings]:
         """The request's `loop_guard` (true / false / null: the server default); None when off."""
         wanted = getattr(request, "loop_guard", None)
         return self.loop_guard if (self.loop_guard_by_default if wanted is None else wanted) else None
 
-    def new_constraint(self, compiled: CompiledGrammar, param: Optional[str] = None,
+    def new_constraint(self, compiled: CompiledGrammar, param: Optional[str] = None, *,
                        loop_guard: Optional[LoopGuardSettings] = None) -> GrammarConstraint:
         guard = LoopGuard(loop_guard) if loop_guard is not None else None
         return GrammarConstraint(compiled.matcher.deep_copy(), compiled.grammar, param, guard)
