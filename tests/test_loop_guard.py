@@ -46,7 +46,7 @@ def stubborn_model(parts, hf_tokenizer, schema: dict, prefix: str, unit: str, gu
     compiler, processor = parts
     constraint = compiler.new_constraint(asyncio.run(compiler.compile(json_schema_grammar(schema))), loop_guard=guard)
     eos = set(compiler.tokenizer.eos_tokens)
-    wanted = hf_tokenizer.encode(prefix + unit * 100, add_special_tokens=False)
+    wanted = hf_tokenizer.encode(prefix + unit * MAX_STEPS, add_special_tokens=False)
     out: list[int] = []
     token = None
     for _ in range(MAX_STEPS):
@@ -61,7 +61,7 @@ def stubborn_model(parts, hf_tokenizer, schema: dict, prefix: str, unit: str, gu
             return hf_tokenizer.decode(out), "stop"
         out.append(token)
         if token != want:
-            wanted = out + hf_tokenizer.encode(unit * 100, add_special_tokens=False)
+            wanted = out + hf_tokenizer.encode(unit * MAX_STEPS, add_special_tokens=False)
     return hf_tokenizer.decode(out), "length"
 
 
@@ -76,6 +76,8 @@ LOOPS = [
         "type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
         "required": ["a", "b"], "additionalProperties": False}}}, "required": ["items"], "additionalProperties": False},
      '{"items":[{"a":"x","b":1}', ',{"a":"x","b":1}'),
+    ({"type": "object", "properties": {"v": {"type": "string", "pattern": "^[0-9.]+$"}}, "required": ["v"],
+      "additionalProperties": False}, '{"v":"1', ".1"),  # a string that allows no words
 ]
 
 

@@ -149,7 +149,10 @@ class EscapeMasks:
             return [(self.string_closers, True), (self.string_enders, True)]
         if structural:
             return [(self.container_closers, True)]
-        return [(self.container_closers, True), (self.value_enders, True)]
+        # A loop in a value: a number ends with `,` `]` `}`; a string whose pattern forbids words
+        # (so it looked like no string) with its closing quote.
+        return [(self.container_closers, True), (self.value_enders, True), (self.string_closers, True),
+                (self.string_enders, True)]
 
 
 def steer_loops(rows: Sequence[ConstrainedRow], masks: torch.Tensor, escapes: EscapeMasks) -> None:
