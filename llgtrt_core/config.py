@@ -112,6 +112,32 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class LoopGuardConfig:
+    """Loop-aware constrained decoding (llgtrt_core/constraints/loop_guard.py, docs/sampling.md)."""
+
+    enabled: bool = option(True, "Steer constrained answers out of a loop by default (a request's "
+                                 "`loop_guard` overrides it).")
+    min_span: int = option(32, "A loop: the last tokens repeat one period over at least this many tokens ...")
+    min_repeats: int = option(3, "... and at least this many times.")
+
+    def __post_init__(self) -> None:
+        if self.min_span < 2 or self.min_repeats < 2:
+            raise ConfigError("config keys 'llguidance.loop_guard.min_span' and '...min_repeats' must be at least 2")
+
+
+@dataclass(frozen=True)
+class NumberBoundsConfig:
+    """JSON schemas: integers and numbers get bounds they lack, so that digits end (a request's
+    `bounded_numbers` overrides `enabled`; docs/sampling.md)."""
+
+    enabled: bool = option(True, "Bound numbers by default.")
+    integer_digits: int = option(18, "|value| <= 10**integer_digits unless the schema gives minimum / maximum "
+                                     "(18: inside int64); no exponents.")
+    fraction_digits: int = option(9, "Numbers: at most this many digits after the point unless the schema "
+                                     "gives multipleOf.")
+
+
+@dataclass(frozen=True)
 class LlguidanceConfig:
     limits: LimitsConfig = option(LimitsConfig(), "Parser limits, per grammar.")
     log_level: int = option(0, "llguidance's own logging to stderr: 0 silent, 1 warnings, 2 verbose.")
@@ -119,6 +145,8 @@ class LlguidanceConfig:
     compile_threads: Optional[int] = option(None, "Threads compiling grammars; null: min(4, cores).")
     whitespace_flexible: bool = option(False, "JSON schemas: allow free whitespace between JSON tokens by "
                                               "default (a request's whitespace_pattern overrides it).")
+    loop_guard: LoopGuardConfig = option(LoopGuardConfig(), "Loop-aware constrained decoding.")
+    number_bounds: NumberBoundsConfig = option(NumberBoundsConfig(), "Default bounds on JSON numbers.")
 
 
 @dataclass(frozen=True)

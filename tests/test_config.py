@@ -105,12 +105,15 @@ def _uncommented(text: str) -> str:
     return "\n".join(lines)
 
 
+LLGUIDANCE_SECTIONS = {"limits": {}, "loop_guard": {}, "number_bounds": {}}  # printed even when all at default
+
+
 def test_print_config_comments_every_option_and_comments_out_defaults() -> None:
     result = subprocess.run([sys.executable, "-m", "llgtrt_core.config", "--print-config"], cwd=REPO_ROOT,
                             env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     text = result.stdout
-    assert json5.loads(text) == {s: {"limits": {}} if s == "llguidance" else {} for s in
+    assert json5.loads(text) == {s: LLGUIDANCE_SECTIONS if s == "llguidance" else {} for s in
                                  ("model", "runtime", "tokenizer", "llguidance", "server")}  # all at default
     assert Config.from_mapping(json5.loads(_uncommented(text))) == Config()  # and those defaults are ours
     lines = text.splitlines()
@@ -125,7 +128,7 @@ def test_print_config_shows_what_was_set_uncommented(tmp_path: Path) -> None:
     text = render(load_config([path], env={}))
     assert '\n    "max_queued_requests": 3,' in text and '// "max_queued_requests"' not in text
     assert json5.loads(text) == {"model": {}, "runtime": {}, "tokenizer": {}, "server": {"max_queued_requests": 3},
-                                 "llguidance": {"limits": {}, "log_level": 1}}
+                                 "llguidance": {**LLGUIDANCE_SECTIONS, "log_level": 1}}
 
 
 def test_cli_reports_config_errors_with_the_key() -> None:

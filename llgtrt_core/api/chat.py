@@ -29,7 +29,7 @@ from llgtrt_core.api.streaming import DONE_EVENT, TEXT_PLACEHOLDER, TextEvents, 
 from llgtrt_core.api.tool_calls import ChoiceToolOutput, keeps_special_tokens, request_tool_plan, tool_constraint
 from llgtrt_core.constraints.request_grammar import RequestGrammar
 from llgtrt_core.runtime import ModelRuntime
-from llgtrt_core.tools import ToolPlan
+from llgtrt_core.tools import ToolFormat, ToolPlan
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,18 @@ class ChatPlan:
     tools: Optional[ToolPlan]
     grammar: Optional[RequestGrammar]
 
+    @property
+    def parses_calls(self) -> bool:
+        return self.tools is not None and self.tools.parses_calls
+
+    @property
+    def repeated_calls_stop(self) -> Optional[ToolFormat]:
+        """The tool format whose repeated calls end a choice, unless the request turned that off."""
+        return self.tools.format if self.parses_calls and self.request.stop_repeated_tool_calls else None
+
     def tool_outputs(self) -> list[Optional[ChoiceToolOutput]]:
         """Per choice, the parser of its tool calls (None: plain text)."""
-        parses = self.tools is not None and self.tools.parses_calls
-        return [ChoiceToolOutput(self.tools) if parses else None for _ in range(self.request.n)]
+        return [ChoiceToolOutput(self.tools) if self.parses_calls else None for _ in range(self.request.n)]
 
 
 async def plan_chat(request: ChatCompletionRequest, runtime: ModelRuntime) -> ChatPlan:
@@ -62,7 +70,7 @@ async def create_chat_completion(request: ChatCompletionRequest, runtime: ModelR
     plan = await plan_chat(request, runtime)
     writer = _ChatWriter(plan, runtime)
     return await serve(raw_request, runtime, plan.request, [plan.prompt_ids], random_id("chatcmpl"), writer,
-                       stream=request.stream, grammar=plan.grammar)
+                       stream=request.stream, grammar=plan.grammar, repeated_calls_stop=plan.repeated_calls_stop)
 
 
 class _ChatWriter:

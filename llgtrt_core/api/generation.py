@@ -22,6 +22,8 @@ from llgtrt_core.engine.interface import (Engine, EngineError, EngineUnavailable
                                           TokenLogprob)
 from llgtrt_core.stop_strings import StopStringMatcher
 from llgtrt_core.tokenizer import Tokenizer
+from llgtrt_core.tools.formats import ToolFormat
+from llgtrt_core.tools.repeats import RepeatedCallStop
 
 T = TypeVar("T")
 
@@ -55,6 +57,7 @@ class TextOptions:
     stop_strings: Sequence[str] = ()
     include_stop_string: bool = False
     skip_special_tokens: bool = True
+    repeated_calls_stop: Optional[ToolFormat] = None  # end where the model repeats a tool call (tools/repeats.py)
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 4x, once per streamed delta
@@ -92,6 +95,7 @@ async def run_choice(
     update when that delta brought nothing to hand out), so a caller can wait for acceptance."""
     detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, options.skip_special_tokens)
     matcher = StopStringMatcher(options.stop_strings, options.include_stop_string)
+    repeats = RepeatedCallStop(options.repeated_calls_stop) if options.repeated_calls_stop is not None else None
     try:
         deltas: AsyncIterator[TokenDelta] = engine.generate(request)
     except EngineError as e:  # the engine refused the request (it checks what we could not)
@@ -109,7 +113,9 @@ async def run_choice(
             if delta.finish_reason is not None and not matcher.stopped:
                 text += matcher.feed(detokenizer.flush())
                 text += matcher.flush()
-            if matcher.stopped:
+            if repeats is not None:
+                text = repeats.feed(text) + (repeats.flush() if delta.finish_reason is not None or matcher.stopped else "")
+            if matcher.stopped or (repeats is not None and repeats.stopped):
                 yield pending.update(index, text, "stop", num_generated)
                 return
             if delta.finish_reason is not None:

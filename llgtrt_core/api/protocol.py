@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_serializer, model_validator
 
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
+DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")  # llama.cpp's default
 
 
 def random_id(prefix: str) -> str:
@@ -110,6 +111,8 @@ class ConstraintFields(OpenAIBaseModel):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     guided_whitespace_pattern: Optional[str] = None
+    # JSON schemas: default bounds on numbers (docs/sampling.md); null: the server's default.
+    bounded_numbers: Optional[StrictBool] = None
 
 
 # --------------------------------------------------------------------------- shared request fields
@@ -149,6 +152,14 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: StrictBool = True
     # Which distribution logprobs report: the model's (raw) or the sampled-from one (docs/sampling.md).
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    # Constrained requests: steer a looping answer out of its loop (docs/sampling.md); null: the server's default.
+    loop_guard: Optional[StrictBool] = None
+    # llama.cpp's DRY sampler (docs/sampling.md); off while dry_multiplier is 0.
+    dry_multiplier: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    dry_base: float = Field(default=1.75, ge=1.0, allow_inf_nan=False)
+    dry_allowed_length: int = Field(default=2, ge=1)
+    dry_penalty_last_n: int = Field(default=-1, ge=-1)  # -1: the whole context; 0: off
+    dry_sequence_breakers: list[str] = Field(default_factory=lambda: list(DRY_SEQUENCE_BREAKERS), max_length=64)
 
     @field_validator("logit_bias")
     @classmethod
@@ -160,6 +171,13 @@ class SamplingFields(OpenAIBaseModel):
             if not -100.0 <= bias <= 100.0:
                 raise ParamError("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for {key}")
         return logit_bias
+
+    @field_validator("dry_sequence_breakers")
+    @classmethod
+    def _check_dry_sequence_breakers(cls, breakers: list[str]) -> list[str]:
+        if any(not breaker or len(breaker) > 64 for breaker in breakers):
+            raise ParamError("dry_sequence_breakers", "dry_sequence_breakers must be strings of 1 to 64 characters")
+        return breakers
 
     @field_validator("stop")
     @classmethod
@@ -283,6 +301,8 @@ class ChatCompletionRequest(SamplingFields, ConstraintFields):
     tools: Optional[list[ChatCompletionTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], ChatCompletionNamedToolChoice]] = None
     parallel_tool_calls: Optional[StrictBool] = None
+    # End the answer where the model starts repeating a tool call it made (same name and arguments).
+    stop_repeated_tool_calls: StrictBool = True
     functions: Optional[list[FunctionDefinition]] = None  # deprecated by tools
     function_call: Optional[Union[Literal["none", "auto"], ChatCompletionNamedFunction]] = None
     audio: Optional[dict[str, Any]] = None

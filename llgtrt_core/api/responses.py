@@ -76,7 +76,8 @@ class ResponsesAPI:
             if request.store:
                 self.store.put(entry)
             return await serve(raw_request, runtime, plan.request, [plan.prompt_ids], response.id, writer,
-                               stream=request.stream, grammar=plan.grammar, stop=entry.stop)
+                               stream=request.stream, grammar=plan.grammar, stop=entry.stop,
+                               repeated_calls_stop=plan.repeated_calls_stop)
         except GenerationStopped:  # cancelled while collecting: the response says so
             return JSONResponse(response.model_dump())
         except APIError as e:

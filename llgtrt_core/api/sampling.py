@@ -6,7 +6,9 @@ naming the parameter: unsupported parameters, prompts longer than the context, b
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Optional, Union
+import dataclasses
+import functools
+from typing import Any, AsyncIterator, Optional, Union
 
 from llgtrt_core.api.errors import APIError
 from llgtrt_core.api.field_limits import check_request_size
@@ -15,8 +17,10 @@ from llgtrt_core.api.limits import admit
 from llgtrt_core.api.protocol import ChatCompletionRequest, CompletionRequest
 from llgtrt_core.constraints.errors import GrammarRequestError
 from llgtrt_core.constraints.request_grammar import RequestGrammar
+from llgtrt_core.engine.dry import DryParams, breaker_token_ids
 from llgtrt_core.engine.interface import Constraint, GenerationRequest, SamplingParams
 from llgtrt_core.runtime import ModelRuntime
+from llgtrt_core.tools.formats import ToolFormat
 
 ApiRequest = Union[ChatCompletionRequest, CompletionRequest]
 
@@ -46,7 +50,8 @@ async def make_constraint(request: ApiRequest, runtime: ModelRuntime,
     try:
         if grammar is not None:
             compiled = await runtime.grammars.compile(grammar.grammar, grammar.param)
-            return runtime.grammars.new_constraint(compiled, grammar.param)
+            return runtime.grammars.new_constraint(compiled, grammar.param,
+                                                   loop_guard=runtime.grammars.loop_guard_for(request))
         return await runtime.grammars.constraint_for_request(request)
     except GrammarRequestError as e:  # bad schema / grammar: llguidance says what is wrong
         raise APIError(str(e), param=e.param) from e
@@ -99,8 +104,24 @@ def _min_tokens(request: ApiRequest, max_tokens: int) -> int:
     return request.min_tokens
 
 
-def _text_options(request: ApiRequest) -> TextOptions:
-    return TextOptions(request.stop_strings, request.include_stop_str_in_output, request.skip_special_tokens)
+def _dry(request: ApiRequest, runtime: ModelRuntime) -> Optional[DryParams]:
+    if request.dry_multiplier == 0.0 or request.dry_penalty_last_n == 0:
+        return None
+    breakers = _breaker_ids(runtime.grammars.tokenizer, tuple(request.dry_sequence_breakers))
+    return DryParams(request.dry_multiplier, request.dry_base, request.dry_allowed_length,
+                     request.dry_penalty_last_n, breakers)
+
+
+@functools.lru_cache(maxsize=16)
+def _breaker_ids(ll_tokenizer: Any, breakers: tuple[str, ...]) -> frozenset[int]:
+    """Per tokenizer and breaker list (the default one nearly always): a scan of the vocabulary."""
+    texts = [ll_tokenizer.decode_bytes([t]).decode("utf-8", errors="replace") for t in range(ll_tokenizer.vocab_size)]
+    return breaker_token_ids(texts, breakers)
+
+
+def _text_options(request: ApiRequest, repeated_calls_stop: Optional[ToolFormat]) -> TextOptions:
+    return TextOptions(request.stop_strings, request.include_stop_str_in_output, request.skip_special_tokens,
+                       repeated_calls_stop)
 
 
 async def _engine_requests(request: ApiRequest, runtime: ModelRuntime, prompts: list[list[int]],
@@ -116,6 +137,7 @@ async def _engine_requests(request: ApiRequest, runtime: ModelRuntime, prompts: 
         num_logprobs = 0  # best_of ranks candidates by their logprobs
     # Completions with echo score the prompt too (the legacy logprobs start with the echoed prompt).
     prompt_logprobs = request.num_logprobs if isinstance(request, CompletionRequest) and request.echo else None
+    dry = _dry(request, runtime)
     planned = []
     for prompt_index, prompt_ids in enumerate(prompts):
         max_tokens = _max_tokens(request, len(prompt_ids), runtime.engine.max_model_len, prompt_param)
@@ -137,19 +159,23 @@ async def _engine_requests(request: ApiRequest, runtime: ModelRuntime, prompts: 
                 logprobs=num_logprobs,
                 prompt_logprobs=prompt_logprobs,
                 logprobs_mode=request.logprobs_mode,
+                dry=dry,
             )
-            planned.append(GenerationRequest(f"{request_id}-{index}", prompt_ids, sampling,
-                                             await make_constraint(request, runtime, grammar)))
+            constraint = await make_constraint(request, runtime, grammar)
+            if constraint is not None:
+                sampling = dataclasses.replace(sampling, loop_guard=runtime.grammars.loop_guard_for(request))
+            planned.append(GenerationRequest(f"{request_id}-{index}", prompt_ids, sampling, constraint))
     return planned
 
 
 async def start_choices(request: ApiRequest, runtime: ModelRuntime, prompts: list[list[int]], request_id: str,
-                        grammar: Optional[RequestGrammar] = None
+                        grammar: Optional[RequestGrammar] = None, repeated_calls_stop: Optional[ToolFormat] = None
                         ) -> tuple[list[GenerationRequest], AsyncIterator[ChoiceUpdate]]:
     """Take the request's admission places, plan every choice and return their merged updates
-    (nothing runs until iterated)."""
+    (nothing runs until iterated). `repeated_calls_stop`: the tool format whose calls end a choice
+    when one repeats."""
     await admit(len(prompts) * request.num_candidates)
     planned = await _engine_requests(request, runtime, prompts, request_id, grammar)
-    options = _text_options(request)
+    options = _text_options(request, repeated_calls_stop)
     choices = [run_choice(runtime.engine, runtime.tokenizer, i, r, options) for i, r in enumerate(planned)]
     return planned, merge(choices)

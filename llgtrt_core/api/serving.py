@@ -23,6 +23,7 @@ from llgtrt_core.api.sampling import ApiRequest, start_choices
 from llgtrt_core.api.streaming import ClientDisconnected, EventStreamResponse, cancel_on_disconnect
 from llgtrt_core.constraints.request_grammar import RequestGrammar
 from llgtrt_core.runtime import ModelRuntime
+from llgtrt_core.tools import ToolFormat
 
 
 @dataclass
@@ -71,12 +72,12 @@ class Writer(Protocol):
 
 
 async def start_generation(request: ApiRequest, runtime: ModelRuntime, prompts: list[list[int]], response_id: str,
-                           grammar: Optional[RequestGrammar] = None, stop: Optional[asyncio.Event] = None
-                           ) -> Generation:
+                           grammar: Optional[RequestGrammar] = None, stop: Optional[asyncio.Event] = None,
+                           repeated_calls_stop: Optional[ToolFormat] = None) -> Generation:
     """Start every choice and wait until the engine accepted each one (or raise its refusal).
 
     Once `stop` is set, the updates end with GenerationStopped (their engine requests aborted)."""
-    planned, updates = await start_choices(request, runtime, prompts, response_id, grammar)
+    planned, updates = await start_choices(request, runtime, prompts, response_id, grammar, repeated_calls_stop)
     held: list[ChoiceUpdate] = []
     waiting = set(range(len(planned)))
     try:
@@ -107,11 +108,11 @@ async def _replayed(held: list[ChoiceUpdate], updates: AsyncIterator[ChoiceUpdat
 
 async def serve(raw_request: Request, runtime: ModelRuntime, request: ApiRequest, prompts: list[list[int]],
                 response_id: str, writer: Writer, *, stream: bool, grammar: Optional[RequestGrammar] = None,
-                stop: Optional[asyncio.Event] = None) -> Response:
+                stop: Optional[asyncio.Event] = None, repeated_calls_stop: Optional[ToolFormat] = None) -> Response:
     """Run the request to the end: the streamed events, or the whole body once every choice finished."""
     try:
         generation = await cancel_on_disconnect(
-            raw_request, start_generation(request, runtime, prompts, response_id, grammar, stop))
+            raw_request, start_generation(request, runtime, prompts, response_id, grammar, stop, repeated_calls_stop))
     except ClientDisconnected:
         return Response(status_code=499)
     if stream:

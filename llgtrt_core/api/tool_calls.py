@@ -57,7 +57,8 @@ async def tool_constraint(plan: Optional[ToolPlan], request: Any, runtime: Model
     if plan is None or not plan.parses_calls:
         return None
     try:
-        answer = request_grammar(request, runtime.grammars.json_whitespace_flexible) if plan.mode == "auto" else None
+        answer = (request_grammar(request, runtime.grammars.json_whitespace_flexible, runtime.grammars.number_bounds)
+                  if plan.mode == "auto" else None)
         text = tool_grammar(plan, runtime.tokenizer.hf.get_added_vocab(), answer.grammar if answer else None)
         await compile_tool_grammar(runtime.grammars, plan, text)
     except GrammarRequestError as e:

@@ -22,7 +22,8 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from llgtrt_core import metrics
 from llgtrt_core.constraints.errors import GrammarRequestError
-from llgtrt_core.constraints.request_grammar import grammar_for_request, request_grammar
+from llgtrt_core.constraints.loop_guard import LoopGuard, LoopGuardSettings
+from llgtrt_core.constraints.request_grammar import NumberBounds, grammar_for_request, request_grammar
 
 __all__ = [
     "CompiledGrammar",
@@ -79,13 +80,15 @@ class CompiledGrammar:
 class GrammarConstraint:
     """One request's matcher state; implements the engine's `Constraint` protocol."""
 
-    __slots__ = ("matcher", "grammar", "param", "error")
+    __slots__ = ("matcher", "grammar", "param", "error", "loop_guard")
 
-    def __init__(self, matcher: LLMatcher, grammar: str = "", param: Optional[str] = None) -> None:
+    def __init__(self, matcher: LLMatcher, grammar: str = "", param: Optional[str] = None,
+                 loop_guard: Optional[LoopGuard] = None) -> None:
         self.matcher = matcher
         self.grammar = grammar  # the text, for engines that rebuild the matcher in another process
         self.param = param  # the request field the grammar came from, named when it fails mid-generation
         self.error: Optional[str] = None  # a plain attribute: read for every row of every step
+        self.loop_guard = loop_guard  # steers the answer out of a loop (constraints/loop_guard.py)
 
     def fail(self, message: str) -> None:
         """Record the first error only; the request ends with it."""
@@ -118,11 +121,17 @@ class GrammarCompiler:
         log_level: int = 0,
         json_whitespace_flexible: bool = False,
         on_miss: Optional[Callable[[str], None]] = None,
+        loop_guard: LoopGuardSettings = LoopGuardSettings(),
+        loop_guard_by_default: bool = True,
+        number_bounds: Optional[NumberBounds] = None,
     ) -> None:
         """on_miss(grammar): called when a grammar's compile starts (the service tells the engine
         process, which compiles it too, so that both compiles run at once)."""
         self.tokenizer = ll_tokenizer
         self.json_whitespace_flexible = json_whitespace_flexible  # server default for JSON schemas
+        self.loop_guard = loop_guard
+        self.loop_guard_by_default = loop_guard_by_default  # for requests that do not say
+        self.number_bounds = number_bounds  # server default for JSON schemas; None: off
         self.limits = parser_limits(limits)
         self.cache_size = cache_size
         self.log_level = log_level  # llguidance's stderr logging: 0 silent, 1 warnings
@@ -172,13 +181,21 @@ class GrammarCompiler:
 
     async def constraint_for_request(self, request: Any) -> Optional[GrammarConstraint]:
         """The request's fresh constraint, None when unconstrained; GrammarRequestError -> 400."""
-        found = request_grammar(request, self.json_whitespace_flexible)
+        found = request_grammar(request, self.json_whitespace_flexible, self.number_bounds)
         if found is None:
             return None
-        return self.new_constraint(await self.compile(found.grammar, found.param), found.param)
+        return self.new_constraint(await self.compile(found.grammar, found.param), found.param,
+                                   loop_guard=self.loop_guard_for(request))
 
-    def new_constraint(self, compiled: CompiledGrammar, param: Optional[str] = None) -> GrammarConstraint:
-        return GrammarConstraint(compiled.matcher.deep_copy(), compiled.grammar, param)
+    def loop_guard_for(self, request: Any) -> Optional[LoopGuardSettings]:
+        """The request's `loop_guard` (true / false / null: the server default); None when off."""
+        wanted = getattr(request, "loop_guard", None)
+        return self.loop_guard if (self.loop_guard_by_default if wanted is None else wanted) else None
+
+    def new_constraint(self, compiled: CompiledGrammar, param: Optional[str] = None, *,
+                       loop_guard: Optional[LoopGuardSettings] = None) -> GrammarConstraint:
+        guard = LoopGuard(loop_guard) if loop_guard is not None else None
+        return GrammarConstraint(compiled.matcher.deep_copy(), compiled.grammar, param, guard)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

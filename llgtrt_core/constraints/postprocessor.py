@@ -29,6 +29,7 @@ from llguidance.torch import allocate_token_bitmask
 
 from llgtrt_core import metrics
 from llgtrt_core.constraints.grammar import GrammarConstraint
+from llgtrt_core.constraints.loop_guard import EscapeMasks, steer_loops
 from llgtrt_core.engine.interface import ConstrainedRow, Constraint
 from llgtrt_core.engine.step_profile import StepPhases
 from llgtrt_core.kernels import apply_token_bitmask_inplace
@@ -49,6 +50,7 @@ class MaskPostProcessor:
         self._copy_done: Optional[torch.cuda.Event] = None  # the last copy out of the host buffers
         self._eos_only = eos_only_mask(ll_tokenizer.eos_tokens, self._host_masks.shape[1])
         self.phases = StepPhases()  # of `fill`, on whichever thread runs it
+        self._escapes = EscapeMasks.for_tokenizer(ll_tokenizer, self._host_masks.shape[1])
 
     def __call__(
         self,
@@ -73,6 +75,7 @@ class MaskPostProcessor:
             self.phases.mark("one_row")
         elif count:
             self._fill_batch(rows)
+        steer_loops(rows, self._host_masks, self._escapes)
         metrics.mask_fill_time.observe(time.perf_counter() - start)
         return self._host_views[count]
 
@@ -130,6 +133,8 @@ class MaskPostProcessor:
         except Exception as e:
             grammar.fail(f"forced tokens failed after token {token}: {e}")
             return []
+        if grammar.loop_guard is not None:
+            grammar.loop_guard.observe_all(forced if token is None else [token, *forced])
         return forced
 
     def _fill_one(self, row: ConstrainedRow) -> None:

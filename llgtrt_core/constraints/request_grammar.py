@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import llguidance
 from llguidance import LLMatcher
@@ -49,11 +49,20 @@ class RequestGrammar:
 
 
 @dataclass(frozen=True)
+class NumberBounds:
+    """Default bounds on JSON numbers, so a model cannot write digits until max_tokens."""
+
+    integer_digits: int = 18  # |value| <= 10**integer_digits (inside int64) unless the schema bounds it
+    fraction_digits: int = 9  # digits after the point (a multipleOf 10**-fraction_digits); exponents go
+
+
+@dataclass(frozen=True)
 class JsonPolicy:
     """JSON options: the server default, which a schema's own `x-guidance` block overrides, and
     the request's options, which override both."""
 
     whitespace_flexible: bool = False  # server default; False = compact JSON (see dumps_compact)
+    number_bounds: Optional[NumberBounds] = None  # bound_numbers's limits; None: numbers as the schema says
     whitespace_pattern: Optional[str] = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
@@ -71,13 +80,17 @@ def dumps_compact(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-def grammar_for_request(request: Any, whitespace_flexible: bool = False) -> Optional[str]:
-    """The request's llguidance grammar, or None when its output is unconstrained."""
-    found = request_grammar(request, whitespace_flexible)
+def grammar_for_request(request: Any, whitespace_flexible: bool = False,
+                        number_bounds: Optional[NumberBounds] = None) -> Optional[str]:
+    """The request's llguidance grammar, or None when its output is unconstrained. The server's
+    defaults: `whitespace_flexible`, and `number_bounds` (None: off) unless the request's
+    `bounded_numbers` says otherwise."""
+    found = request_grammar(request, whitespace_flexible, number_bounds)
     return found.grammar if found else None
 
 
-def request_grammar(request: Any, whitespace_flexible: bool = False) -> Optional[RequestGrammar]:
+def request_grammar(request: Any, whitespace_flexible: bool = False,
+                    number_bounds: Optional[NumberBounds] = None) -> Optional[RequestGrammar]:
     """Like `grammar_for_request`, also naming the field the grammar came from."""
     forms = _requested_forms(request)
     if not forms:
@@ -88,7 +101,8 @@ def request_grammar(request: Any, whitespace_flexible: bool = False) -> Optional
             second, f"only one constraint may be given per request; got {first} and {second}"
         )
     param, kind, value = forms[0]
-    return RequestGrammar(param, _build_grammar(param, kind, value, _json_policy(request, whitespace_flexible)))
+    policy = _json_policy(request, whitespace_flexible, number_bounds)
+    return RequestGrammar(param, _build_grammar(param, kind, value, policy))
 
 
 def _get(obj: Any, name: str) -> Any:
@@ -149,7 +163,7 @@ def _required(response_format: Any, name: str, kind: str) -> Any:
     return value
 
 
-def _json_policy(request: Any, whitespace_flexible: bool) -> JsonPolicy:
+def _json_policy(request: Any, whitespace_flexible: bool, number_bounds: Optional[NumberBounds]) -> JsonPolicy:
     structured = _get(request, "structured_outputs")
     pattern = _get(structured, "whitespace_pattern")
     guided_pattern = _get(request, "guided_whitespace_pattern")
@@ -169,7 +183,14 @@ def _json_policy(request: Any, whitespace_flexible: bool) -> JsonPolicy:
         whitespace_pattern=pattern,
         disable_any_whitespace=disable_whitespace,
         disable_additional_properties=bool(_get(structured, "disable_additional_properties")),
+        number_bounds=_number_bounds(_get(request, "bounded_numbers"), number_bounds),
     )
+
+
+def _number_bounds(wanted: Optional[bool], default: Optional[NumberBounds]) -> Optional[NumberBounds]:
+    if wanted is None:
+        return default
+    return (default or NumberBounds()) if wanted else None
 
 
 def _build_grammar(param: str, kind: str, value: Any, policy: JsonPolicy) -> str:
@@ -227,6 +248,8 @@ def json_schema_grammar(schema: Any, policy: JsonPolicy = JsonPolicy(), param: s
         raise GrammarRequestError(param, "the schema must be a JSON object")
     if policy.disable_additional_properties:
         schema = close_objects(schema)
+    if policy.number_bounds is not None:
+        schema = bound_numbers(schema, policy.number_bounds)
     try:
         return LLMatcher.grammar_from_json_schema(
             schema, defaults={"whitespace_flexible": policy.whitespace_flexible}, overrides=policy.overrides()
@@ -252,18 +275,46 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "d
 
 def close_objects(schema: dict[str, Any]) -> dict[str, Any]:
     """A copy where every object schema without `additionalProperties` gets `false` (vLLM's
-    `disable_additional_properties`): the model may only write the properties it was given.
+    `disable_additional_properties`): the model may only write the properties it was given."""
+    return _copy_visiting(schema, _close)
 
-    Iterative, copying each subschema it visits: schemas nest deeper than Python's recursion limit.
-    """
-    closed = dict(schema)
-    pending = [closed]
+
+def bound_numbers(schema: dict[str, Any], bounds: NumberBounds) -> dict[str, Any]:
+    """A copy where every integer or number schema gets the default bounds it lacks: a minimum and
+    a maximum of -/+ 10**integer_digits (which also rules out exponents), and for numbers a
+    multipleOf 10**-fraction_digits. Bounds the schema gives are kept."""
+    return _copy_visiting(schema, lambda node: _bound(node, bounds))
+
+
+def _close(schema: dict[str, Any]) -> None:
+    kind = schema.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in schema
+    if is_object and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
+
+
+def _bound(schema: dict[str, Any], bounds: NumberBounds) -> None:
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if "number" not in kinds and "integer" not in kinds:
+        return
+    limit = 10**bounds.integer_digits
+    if "minimum" not in schema and "exclusiveMinimum" not in schema:
+        schema["minimum"] = -limit
+    if "maximum" not in schema and "exclusiveMaximum" not in schema:
+        schema["maximum"] = limit
+    if "number" in kinds and "multipleOf" not in schema:
+        schema["multipleOf"] = 10.0**-bounds.fraction_digits
+
+
+def _copy_visiting(schema: dict[str, Any], change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """A copy of `schema` where `change` was applied to every (sub)schema. Iterative, copying each
+    subschema it visits: schemas nest deeper than Python's recursion limit."""
+    copied = dict(schema)
+    pending = [copied]
     while pending:
         node = pending.pop()
-        kind = node.get("type")
-        if (kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node) \
-                and "additionalProperties" not in node:
-            node["additionalProperties"] = False
+        change(node)
         for key in _SUBSCHEMA:
             if isinstance(node.get(key), dict):
                 node[key] = dict(node[key])
@@ -276,4 +327,4 @@ def close_objects(schema: dict[str, Any]) -> dict[str, Any]:
             if isinstance(node.get(key), dict):
                 node[key] = {name: dict(sub) if isinstance(sub, dict) else sub for name, sub in node[key].items()}
                 pending += [sub for sub in node[key].values() if isinstance(sub, dict)]
-    return closed
+    return copied

@@ -103,7 +103,8 @@ class EngineCore:
         constraint: Optional[GrammarConstraint] = None
         if compiled is not None:
             try:
-                constraint = self.grammars.new_constraint(GrammarCompiler.checked(compiled, ""))
+                constraint = self.grammars.new_constraint(GrammarCompiler.checked(compiled, ""),
+                                                          loop_guard=sampling.loop_guard)
             except Exception as e:  # GrammarRequestError: the serving process names the field
                 self._compiling.discard(request_id)
                 self.send(("rejected", request_id, "grammar", getattr(e, "message", str(e))))

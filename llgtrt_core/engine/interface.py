@@ -16,6 +16,8 @@ from typing import AsyncIterator, Literal, Mapping, Optional, Protocol, Sequence
 
 import torch
 
+from llgtrt_core.engine.dry import DryParams
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 # Which distribution logprobs report: the model's own ("raw", before the constraint mask and every
 # sampling control) or the one the token is drawn from ("processed"). docs/sampling.md.
@@ -23,10 +25,19 @@ LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 
 
 @dataclass(frozen=True)
+class LoopGuardSettings:
+    """When a constrained answer's tail of tokens counts as a loop (constraints/loop_guard.py;
+    config `llguidance.loop_guard`)."""
+
+    min_span: int = 32  # the periodic tail covers at least this many tokens
+    min_repeats: int = 3  # ... and at least this many periods
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding controls, already validated by the serving layer.
 
-    Applied in this order (docs/sampling.md): constraint mask, min_tokens, logit_bias, penalties,
+    Applied in this order (docs/sampling.md): DRY, constraint mask, min_tokens, logit_bias, penalties,
     temperature, min_p, top_k, top_p, then the draw (argmax when greedy).
     """
 
@@ -45,6 +56,10 @@ class SamplingParams:
     logprobs: Optional[int] = None  # report each sampled token's logprob and this many alternatives
     prompt_logprobs: Optional[int] = None  # the same for every prompt token but the first
     logprobs_mode: LogprobsMode = "raw_logprobs"
+    dry: Optional[DryParams] = None  # the DRY sampler (engine/dry.py), applied to the logits first
+    # Constrained requests: the loop guard's settings (constraints/loop_guard.py); None: off. An engine
+    # that rebuilds the constraint elsewhere (another process) gives it a guard with these.
+    loop_guard: Optional[LoopGuardSettings] = None
 
     @property
     def greedy(self) -> bool:

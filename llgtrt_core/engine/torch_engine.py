@@ -68,6 +68,7 @@ from llgtrt_core.engine.interface import (
     next_delta,
 )
 from llgtrt_core.engine.decode_graphs import DecodeGraphs
+from llgtrt_core.engine.dry import apply_dry
 from llgtrt_core.engine.kv_cache import CUDA_MEMORY_FRACTION, KVCache
 from llgtrt_core.engine.sampler import BatchSampler, token_logprobs
 from llgtrt_core.engine.step_profile import StepPhases
@@ -412,6 +413,8 @@ class TorchEngine(Engine):
         for row in rows:
             self._running[row.row].uncommitted_token = None
         self.phases.mark("mask_upload")
+        apply_dry(logits, [(i, seq.token_ids, seq.request.sampling.dry) for i, seq in enumerate(self._running)
+                           if seq.request.sampling.dry is not None])
         pending = self.sampler.sample_async(logits, raw_logprobs, masks)
         self.phases.mark("sample")
         fed = self.overlap_steps

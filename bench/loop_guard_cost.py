@@ -1,0 +1,82 @@
+"""Host time the loop guard adds per constrained row per step (constraints/loop_guard.py).
+
+Times `steer_loops` over a step's rows (each observes its new token; none is looping) against
+the same rows without a guard, and one steering step of a looping row (the rare case: a mask
+narrowed to an escape class), on the default model's vocabulary size. Median of --repeats runs
+of --steps steps each, per row per step.
+
+    python bench/loop_guard_cost.py --rows 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from measure import machine  # noqa: E402  (bench/ is the script's folder)
+
+from llgtrt_core.constraints.loop_guard import EscapeMasks, LoopGuard, LoopGuardSettings, steer_loops  # noqa: E402
+from llgtrt_core.engine.interface import ConstrainedRow  # noqa: E402
+
+VOCAB = 49152  # SmolLM2's
+
+
+class Row:  # the two attributes steer_loops reads of a constraint
+    def __init__(self, guard):
+        self.loop_guard = guard
+        self.error = None
+
+
+def per_row_step(rows: int, steps: int, guarded: bool, seed: int) -> float:
+    rng = random.Random(seed)
+    constraints = [Row(LoopGuard(LoopGuardSettings()) if guarded else None) for _ in range(rows)]
+    tokens = [[rng.randrange(VOCAB) for _ in range(steps)] for _ in range(rows)]  # no loops
+    masks = torch.zeros(rows, VOCAB // 32, dtype=torch.int32)
+    escapes = EscapeMasks([""] * VOCAB, [0], VOCAB // 32)
+    start = time.perf_counter()
+    for step in range(steps):
+        steer_loops([ConstrainedRow(c, j, tokens[j][step]) for j, c in enumerate(constraints)], masks, escapes)
+    return (time.perf_counter() - start) / (rows * steps)
+
+
+def steering_step(texts: list[str], repeats: int) -> float:
+    """One escaping row: classes tried, mask narrowed (what a looping row pays, once per loop)."""
+    escapes = EscapeMasks(texts, [0], VOCAB // 32)
+    times = []
+    for _ in range(repeats):
+        guard = LoopGuard(LoopGuardSettings(min_span=4, min_repeats=2))
+        for token in [11, 12, 13, 11, 12, 13, 11, 12, 13]:
+            guard.observe(token)
+        mask = torch.full((VOCAB // 32,), -1, dtype=torch.int32)
+        start = time.perf_counter()
+        guard.steer(mask, escapes)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(machine())
+    for guarded in (False, True):
+        runs = [per_row_step(args.rows, args.steps, guarded, seed) for seed in range(args.repeats)]
+        print(f"steer_loops, {'guard on ' if guarded else 'guard off'}: {statistics.median(runs) * 1e6:.2f} us per row "
+              f"per step (min {min(runs) * 1e6:.2f}, max {max(runs) * 1e6:.2f})")
+    texts = ["x"] * VOCAB
+    texts[20:30] = ['"', '"]', '"}', "]", "}", "]}", ",", "the", " word", "1"]
+    print(f"one steering step of a looping row: {steering_step(texts, 50) * 1e6:.1f} us (median)")
+
+
+if __name__ == "__main__":
+    main()

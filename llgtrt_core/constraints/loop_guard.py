@@ -1,0 +1,188 @@
+"""Loop-aware constrained decoding: notice when a constrained answer repeats itself and steer it
+out through what the grammar allows, so it ends instead of running to max_tokens.
+
+A small model under a grammar often loops inside what the grammar allows: the same array item
+again and again, a phrase inside a string, endless digits. Detection is a rolling check, O(1)
+per token: the tail of the tokens is periodic (period p: each token equals the one p back) over
+at least `min_span` tokens and `min_repeats` periods. The candidate period is the distance to
+the previous occurrence of the token where the last run broke, so a loop of any period is found
+without trying every period.
+
+Steering never leaves the grammar: the row's mask is ANDed with a class of tokens that end
+things (`EscapeMasks`), and only when that leaves something allowed; otherwise it waits for a
+step where it does. A loop inside a string or a number (no JSON punctuation in its period) is
+left by one token that ends the value (`"`, `,`, `]`, `}` or EOS, alone or together); a loop
+over items or keys by one that closes a container (`]`, `}`, maybe after a `"`) or EOS. Once a
+steered token is taken the guard watches again from scratch. An answer that never repeats that
+long is never touched: its masks are the grammar's own.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from llgtrt_core.engine.interface import ConstrainedRow, LoopGuardSettings
+
+_PUNCTUATION = frozenset('"{}[],:')  # a period holding one of these repeats JSON items or keys
+_VALUE_ENDERS = frozenset('"]},')  # characters of the tokens that end a value
+_CONTAINER_CLOSERS = frozenset("]}")
+
+
+class LoopGuard:
+    """One sequence's rolling loop check. Plain state (picklable); `observe` is O(1) amortized."""
+
+    __slots__ = ("settings", "tokens", "_last_seen", "_period", "_run", "escaping", "_structural", "_depth",
+                 "_floor", "_seen")
+
+    def __init__(self, settings: LoopGuardSettings = LoopGuardSettings()) -> None:
+        self.settings = settings
+        self.tokens: list[int] = []  # every token committed so far (generated, forced included)
+        self._last_seen: dict[int, int] = {}  # token -> its latest position
+        self._period = 0  # candidate period of the current run (0: none)
+        self._run = 0  # tokens in a row equal to the one `_period` back
+        self.escaping = False  # a loop was found and no steered token was taken yet
+        # The loop repeats items or keys (its period holds JSON punctuation); None: not decided yet.
+        self._structural: Optional[bool] = None
+        # While escaping a loop over items or keys: the bracket depth now and the loop's lowest,
+        # both relative to where the loop was found, and the tokens counted in `_depth` so far.
+        self._depth = self._floor = self._seen = 0
+
+    def observe(self, token: int) -> None:
+        position = len(self.tokens)
+        period = self._period
+        if period and self.tokens[position - period] == token:
+            self._run += 1
+        else:
+            previous = self._last_seen.get(token)
+            self._period = 0 if previous is None else position - previous
+            self._run = 0 if previous is None else 1
+        self._last_seen[token] = position
+        self.tokens.append(token)
+        if not self.escaping and self._run >= max(self.settings.min_span - self._period,
+                                                  (self.settings.min_repeats - 1) * self._period):
+            self.escaping = True
+            self._structural = None  # decided by `steer`, which knows the token texts
+
+    def observe_all(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            self.observe(token)
+
+    def period_tokens(self) -> list[int]:
+        return self.tokens[len(self.tokens) - self._period:]
+
+    def steer(self, mask: torch.Tensor, escapes: "EscapeMasks") -> bool:
+        """While escaping: narrow the host int32 `mask` row in place to the first escape class the
+        grammar allows a token of here; True when it did. A loop in a value is over once a token
+        ending the value is taken; a loop over items or keys once the container it ran in is closed
+        (the bracket depth below the lowest of its period)."""
+        if self._structural is None:
+            self._start_escape(escapes)
+        if self._structural:
+            self._depth += sum(escapes.depth_delta[t] for t in self.tokens[self._seen:])
+            self._seen = len(self.tokens)
+            if self._depth < self._floor:
+                self._stop_escape()
+                return False
+        for escape, ends_loop in escapes.classes(mask, bool(self._structural)):
+            narrowed = mask & escape
+            if bool(narrowed.any()):
+                mask.copy_(narrowed)
+                if ends_loop and not self._structural:
+                    self._stop_escape()
+                return True
+        return False  # nothing of the classes allowed here: try again next step
+
+    def _start_escape(self, escapes: "EscapeMasks") -> None:
+        period = self.period_tokens()
+        self._structural = escapes.is_structural(period)
+        depth = floor = 0
+        for token in reversed(period):  # depths before each period token, relative to now
+            depth -= escapes.depth_delta[token]
+            floor = min(floor, depth)
+        self._depth, self._floor, self._seen = 0, floor, len(self.tokens)
+
+    def _stop_escape(self) -> None:
+        self.escaping = False
+        self._structural = None
+        self._period = self._run = 0
+
+
+class EscapeMasks:
+    """Per tokenizer: the token classes steering uses, as int32 mask rows (bit t%32 of word t//32).
+
+    Whether a row is inside a JSON string is read off its mask: only there does the grammar
+    allow plain words. Inside, a value ends with a token opening with the closing quote
+    (`"`, `",`, `"]`, `"}`, ...); outside, with `,`, `]`, `}` (made of these only) or EOS.
+    """
+
+    def __init__(self, token_texts: Sequence[str], eos_tokens: Sequence[int], words: int) -> None:
+        self._texts = token_texts
+        stripped = [text.strip() for text in token_texts]
+        string_enders = [t for t, text in enumerate(stripped)
+                         if text[:1] == '"' and _made_of(text[1:], _VALUE_ENDERS - {'"'})]
+        value_enders = [t for t, text in enumerate(stripped) if text and _made_of(text, _VALUE_ENDERS - {'"'})]
+        # Brackets opened minus closed by each token (inside strings too: close enough for a loop).
+        self.depth_delta = [text.count("{") + text.count("[") - text.count("}") - text.count("]")
+                            for text in token_texts]
+        self.words = _mask_row([t for t, text in enumerate(token_texts) if _is_word(text)], words)
+        self.string_enders = _mask_row(string_enders, words)
+        self.string_closers = _mask_row([t for t in string_enders if _CONTAINER_CLOSERS & set(stripped[t])], words)
+        self.value_enders = _mask_row([*value_enders, *eos_tokens], words)
+        self.container_closers = _mask_row(
+            [*(t for t in value_enders if "," not in stripped[t]), *eos_tokens], words)
+
+    @classmethod
+    def for_tokenizer(cls, ll_tokenizer, words: int) -> "EscapeMasks":
+        texts = [ll_tokenizer.decode_bytes([t]).decode("utf-8", errors="replace")
+                 for t in range(ll_tokenizer.vocab_size)]
+        return cls(texts, ll_tokenizer.eos_tokens, words)
+
+    def is_structural(self, tokens: Sequence[int]) -> bool:
+        return any(_PUNCTUATION & set(self._texts[t]) for t in tokens if t < len(self._texts))
+
+    def classes(self, mask: torch.Tensor, structural: bool) -> list[tuple[torch.Tensor, bool]]:
+        """The escape classes to try at this mask, in order, each with whether taking it ends a
+        loop in a value."""
+        if bool((mask & self.words).any()):  # inside a string
+            return [(self.string_closers, True), (self.string_enders, True)]
+        if structural:
+            return [(self.container_closers, True)]
+        # A loop in a value: a number ends with `,` `]` `}`; a string whose pattern forbids words
+        # (so it looked like no string) with its closing quote.
+        return [(self.container_closers, True), (self.value_enders, True), (self.string_closers, True),
+                (self.string_enders, True)]
+
+
+def steer_loops(rows: Sequence[ConstrainedRow], masks: torch.Tensor, escapes: EscapeMasks) -> None:
+    """After a step's fill: each guarded row observes the token it committed, and an escaping
+    row's host mask (masks[j] for rows[j]) is steered. A row without a guard costs one lookup."""
+    for j, row in enumerate(rows):
+        guard = row.constraint.loop_guard  # type: ignore[attr-defined]
+        if guard is None or row.constraint.error is not None:
+            continue
+        if row.new_token is not None:
+            guard.observe(row.new_token)
+        if guard.escaping:
+            guard.steer(masks[j], escapes)
+
+
+def _made_of(text: str, chars: frozenset) -> bool:
+    return set(text) <= chars
+
+
+def _is_word(text: str) -> bool:
+    """Letters only (two or more, maybe after a space) and no part of true / false / null: JSON
+    allows such a token only inside a string."""
+    word = text[1:] if text[:1] == " " else text
+    return len(word) >= 2 and word.isascii() and word.isalpha() and not any(
+        word in literal for literal in ("true", "false", "null"))
+
+
+def _mask_row(tokens: Sequence[int], words: int) -> torch.Tensor:
+    values = [0] * words
+    for token in tokens:
+        if token // 32 < words:
+            values[token // 32] |= 1 << (token % 32)
+    return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in values], dtype=torch.int32)

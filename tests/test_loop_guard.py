@@ -1,0 +1,119 @@
+"""The loop guard on real llguidance matchers with the default model's tokenizer: a looping
+answer is steered out and completes valid, an answer that does not loop gets the grammar's own
+masks, and a loop of any period is found."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import jsonschema
+import pytest
+
+from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
+from llgtrt_core.constraints.loop_guard import LoopGuard, LoopGuardSettings
+from llgtrt_core.constraints.postprocessor import MaskPostProcessor
+from llgtrt_core.constraints.request_grammar import json_schema_grammar
+from llgtrt_core.engine.interface import ConstrainedRow
+
+MAX_STEPS = 400
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smollm2_tokenizer_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
+
+
+@pytest.fixture(scope="module")
+def parts(hf_tokenizer: Any) -> tuple[GrammarCompiler, MaskPostProcessor]:
+    ll_tokenizer = build_ll_tokenizer(hf_tokenizer)
+    return GrammarCompiler(ll_tokenizer), MaskPostProcessor(ll_tokenizer, max_batch_size=2, num_threads=1)
+
+
+def allowed(mask_row) -> list[int]:
+    return [word * 32 + bit for word, value in enumerate(mask_row.tolist()) for bit in range(32) if (value >> bit) & 1]
+
+
+def stubborn_model(parts, hf_tokenizer, schema: dict, prefix: str, unit: str, guard: Optional[LoopGuardSettings],
+                   fast_forward: bool = False) -> tuple[str, str]:
+    """Decode with a 'model' that always wants to write `prefix` then `unit` forever: it takes its
+    wanted token when the mask allows it, else the first allowed token (and then wants `unit`
+    again). Returns (text, "stop" | "length")."""
+    compiler, processor = parts
+    constraint = compiler.new_constraint(asyncio.run(compiler.compile(json_schema_grammar(schema))), loop_guard=guard)
+    eos = set(compiler.tokenizer.eos_tokens)
+    wanted = hf_tokenizer.encode(prefix + unit * MAX_STEPS, add_special_tokens=False)
+    out: list[int] = []
+    token = None
+    for _ in range(MAX_STEPS):
+        if fast_forward:  # the PyTorch engine's path: commits go through commit_with_forced
+            out += processor.commit_with_forced(constraint, token, 0)
+            token = None
+        mask = allowed(processor.fill([ConstrainedRow(constraint, 0, token)])[0])
+        assert constraint.error is None
+        want = wanted[len(out)] if len(out) < len(wanted) else None
+        token = want if want in mask else mask[0]
+        if token in eos:
+            return hf_tokenizer.decode(out), "stop"
+        out.append(token)
+        if token != want:
+            wanted = out + hf_tokenizer.encode(unit * MAX_STEPS, add_special_tokens=False)
+    return hf_tokenizer.decode(out), "length"
+
+
+LOOPS = [
+    ({"type": "object", "properties": {"shapes": {"type": "array", "items": {"type": "string"}}},
+      "required": ["shapes"], "additionalProperties": False}, '{"shapes":["circle"', ',"circle"'),
+    ({"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+      "required": ["name", "n"], "additionalProperties": False}, '{"name":"loh', "-loh"),
+    ({"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"], "additionalProperties": False},
+     '{"x":1.', "1"),
+    ({"type": "object", "properties": {"items": {"type": "array", "items": {
+        "type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+        "required": ["a", "b"], "additionalProperties": False}}}, "required": ["items"], "additionalProperties": False},
+     '{"items":[{"a":"x","b":1}', ',{"a":"x","b":1}'),
+    ({"type": "object", "properties": {"v": {"type": "string", "pattern": "^[0-9.]+$"}}, "required": ["v"],
+      "additionalProperties": False}, '{"v":"1', ".1"),  # a string that allows no words
+]
+
+
+@pytest.mark.parametrize("fast_forward", [False, True])
+@pytest.mark.parametrize("schema,prefix,unit", LOOPS)
+def test_a_looping_answer_is_steered_out_and_completes_valid(parts, hf_tokenizer, schema, prefix, unit, fast_forward):
+    text, finish = stubborn_model(parts, hf_tokenizer, schema, prefix, unit, None, fast_forward)
+    assert finish == "length"  # without the guard it loops to the end
+    text, finish = stubborn_model(parts, hf_tokenizer, schema, prefix, unit, LoopGuardSettings(), fast_forward)
+    assert finish == "stop", text
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_an_answer_that_does_not_loop_keeps_the_grammars_masks(parts, hf_tokenizer):
+    compiler, processor = parts
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}},
+                                               "n": {"type": "integer"}}}
+    # Repetitive but short of a loop: ten items, each different, digits that repeat a little.
+    document = json.dumps({"tags": [f"tag {i} of the list" for i in range(10)], "n": 1000000},
+                          separators=(",", ":"))
+    compiled = asyncio.run(compiler.compile(json_schema_grammar(schema)))
+    guarded, plain = compiler.new_constraint(compiled, loop_guard=LoopGuardSettings()), compiler.new_constraint(compiled)
+    token = None
+    for next_token in [*hf_tokenizer.encode(document, add_special_tokens=False), None]:
+        masks = processor.fill([ConstrainedRow(guarded, 0, token), ConstrainedRow(plain, 1, token)])
+        assert masks[0].equal(masks[1])
+        token = next_token
+    assert not guarded.loop_guard.escaping
+
+
+def test_a_loop_of_any_period_is_found_after_min_repeats_periods():
+    guard = LoopGuard(LoopGuardSettings(min_span=32, min_repeats=3))
+    period = list(range(997))  # far longer than any fixed set of candidate periods would try
+    tokens = [5000, 5001, *period * 3]
+    for token in tokens[:-1]:
+        guard.observe(token)
+    assert not guard.escaping  # three periods less one token
+    guard.observe(tokens[-1])
+    assert guard.escaping
