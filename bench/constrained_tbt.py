@@ -118,7 +118,8 @@ async def compiling_schemas(client: httpx.AsyncClient, url: str, model: str, cou
     for name, schema in candidates:
         if len(kept) == count or time.monotonic() > deadline:
             break
-        plain = await stream_chat(client, url, chat_body(model, schema, 1, constrained=False))
+        # ignore_eos: an unconstrained random-weight model may end at once, and this needs its TTFT.
+        plain = await stream_chat(client, url, {**chat_body(model, schema, 1, constrained=False), "ignore_eos": True})
         result = await stream_chat(client, url, chat_body(model, schema, 1, constrained=True))
         if result.error is None and result.ttft is not None and plain.ttft is not None:
             kept.append((name, schema))
