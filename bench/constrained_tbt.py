@@ -33,7 +33,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import httpx
 
@@ -108,7 +108,7 @@ def chat_body(model: str, schema: dict[str, Any], max_tokens: int, constrained: 
 
 async def compiling_schemas(client: httpx.AsyncClient, url: str, model: str, count: int,
                             candidates: list[tuple[str, dict[str, Any]]], budget_s: float
-                            ) -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[float, float]], int]:
+                            ) -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[Optional[float], float]], int]:
     """The first `count` candidates the server accepts; for each, the TTFT of the same prompt sent
     unconstrained and then with its schema seen for the first time (grammar compile included), both
     max_tokens 1: the unconstrained one also warms the server up for that prompt's shapes, so the
@@ -118,17 +118,17 @@ async def compiling_schemas(client: httpx.AsyncClient, url: str, model: str, cou
     for name, schema in candidates:
         if len(kept) == count or time.monotonic() > deadline:
             break
-        # ignore_eos: an unconstrained random-weight model may end at once, and this needs its TTFT.
-        plain = await stream_chat(client, url, {**chat_body(model, schema, 1, constrained=False), "ignore_eos": True})
+        # Unconstrained, a random-weight model may answer with a special token only: no content, no TTFT.
+        plain = await stream_chat(client, url, chat_body(model, schema, 1, constrained=False))
         result = await stream_chat(client, url, chat_body(model, schema, 1, constrained=True))
-        if result.error is None and result.ttft is not None and plain.ttft is not None:
+        if result.error is None and result.ttft is not None:
             kept.append((name, schema))
             first_ttfts.append((plain.ttft, result.ttft))
         elif result.error and result.error.startswith("HTTP 400"):
             refused += 1
             print(f"refused {name}: {result.error}", flush=True)
         else:
-            raise RuntimeError(f"{name}: {result.error or plain.error or 'no content chunk'}")
+            raise RuntimeError(f"{name}: {result.error or 'no content chunk'}")
     if len(kept) < count:
         raise RuntimeError(f"only {len(kept)} of {count} schemas compiled within {budget_s} s")
     return kept, first_ttfts, refused
@@ -251,7 +251,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             schemas, first_ttfts, refused = await compiling_schemas(
                 client, url, model, min(max(batches), args.schemas), candidates, args.compile_budget)
             first_sight = [constrained for _, constrained in first_ttfts]
-            compile_added = [constrained - plain for plain, constrained in first_ttfts]
+            compile_added = [constrained - plain for plain, constrained in first_ttfts if plain is not None]
             print(f"{machine()}; {len(schemas)} schemas compiled ({refused} refused with 400) in "
                   f"{time.perf_counter() - started:.1f} s; first-sight TTFT (compile included) "
                   f"p50 {ms(percentile(first_sight, 50))} ms, max {ms(max(first_sight))} ms; over the same prompt "
