@@ -24,8 +24,8 @@ from llgtrt_core.api.protocol import (
     random_id,
 )
 from llgtrt_core.api.sampling import check_request
-from llgtrt_core.api.serving import Generation, completion_tokens, serve
-from llgtrt_core.api.streaming import DONE_EVENT, TEXT_PLACEHOLDER, TextEvents, sse_error_event, sse_event
+from llgtrt_core.api.serving import DoneTerminatedWriter, Generation, completion_tokens, serve
+from llgtrt_core.api.streaming import TEXT_PLACEHOLDER, TextEvents, sse_event
 from llgtrt_core.api.tool_calls import ChoiceToolOutput, keeps_special_tokens, request_tool_plan, tool_constraint
 from llgtrt_core.constraints.request_grammar import RequestGrammar
 from llgtrt_core.runtime import ModelRuntime
@@ -73,10 +73,7 @@ async def create_chat_completion(request: ChatCompletionRequest, runtime: ModelR
                        stream=request.stream, grammar=plan.grammar, repeated_calls_stop=plan.repeated_calls_stop)
 
 
-class _ChatWriter:
-    done_event = DONE_EVENT
-    error_event = staticmethod(sse_error_event)
-
+class _ChatWriter(DoneTerminatedWriter):
     def __init__(self, plan: ChatPlan, runtime: ModelRuntime):
         self.plan = plan
         self.runtime = runtime

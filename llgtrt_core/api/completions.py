@@ -22,8 +22,8 @@ from llgtrt_core.api.protocol import (
     random_id,
 )
 from llgtrt_core.api.sampling import check_request
-from llgtrt_core.api.serving import Generation, completion_tokens, serve, start_generation
-from llgtrt_core.api.streaming import DONE_EVENT, TEXT_PLACEHOLDER, TextEvents, sse_error_event, sse_event
+from llgtrt_core.api.serving import DoneTerminatedWriter, Generation, completion_tokens, serve, start_generation
+from llgtrt_core.api.streaming import TEXT_PLACEHOLDER, TextEvents, sse_event
 from llgtrt_core.engine.interface import TokenLogprob
 from llgtrt_core.runtime import ModelRuntime
 
@@ -89,10 +89,7 @@ async def create_completion(request: CompletionRequest, runtime: ModelRuntime, r
                        _CompletionWriter(request, runtime), stream=request.stream)
 
 
-class _CompletionWriter:
-    done_event = DONE_EVENT
-    error_event = staticmethod(sse_error_event)
-
+class _CompletionWriter(DoneTerminatedWriter):
     def __init__(self, request: CompletionRequest, runtime: ModelRuntime):
         self.request = request
         self.runtime = runtime

@@ -20,7 +20,8 @@ from llgtrt_core.api.errors import APIError
 from llgtrt_core.api.generation import ChoiceResult, ChoiceUpdate, close_quietly, collect
 from llgtrt_core.api.protocol import ErrorInfo
 from llgtrt_core.api.sampling import ApiRequest, start_choices
-from llgtrt_core.api.streaming import ClientDisconnected, EventStreamResponse, cancel_on_disconnect
+from llgtrt_core.api.streaming import (DONE_EVENT, ClientDisconnected, EventStreamResponse, cancel_on_disconnect,
+                                       sse_error_event)
 from llgtrt_core.constraints.request_grammar import RequestGrammar
 from llgtrt_core.runtime import ModelRuntime
 from llgtrt_core.tools import ToolFormat
@@ -69,6 +70,13 @@ class Writer(Protocol):
     def body(self, generation: Generation, results: list[ChoiceResult]) -> Any:
         """The non-streamed response (JSON-able)."""
         ...
+
+
+class DoneTerminatedWriter:
+    """The chat and completions streams' ending: `data: [DONE]`, a failure as an OpenAI error event."""
+
+    done_event: Optional[str] = DONE_EVENT
+    error_event = staticmethod(sse_error_event)
 
 
 async def start_generation(request: ApiRequest, runtime: ModelRuntime, prompts: list[list[int]], response_id: str,
