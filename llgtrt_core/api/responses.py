@@ -31,7 +31,7 @@ from llgtrt_core.api.responses_protocol import (
     IncompleteDetails,
     InputItem,
     MessageItem,
-    OtherContent,
+    Unsupported,
     OutputFunctionCall,
     OutputMessage,
     OutputText,
@@ -226,7 +226,7 @@ def _text(content: Union[str, list[ContentPart]], param: str) -> str:
         return content
     texts = []
     for j, part in enumerate(content):
-        if isinstance(part, OtherContent):
+        if isinstance(part, Unsupported):
             raise APIError(f"content parts of type {part.type!r} are not supported by this model; send text",
                            param=f"{param}[{j}]")
         texts.append(part.refusal if isinstance(part, Refusal) else part.text)

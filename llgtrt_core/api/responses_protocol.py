@@ -3,7 +3,7 @@
 Shapes follow the official `openai` client's types (`openai.types.responses`). Like the chat models,
 unknown request fields are refused, and known fields this server does not implement are listed by
 `unsupported_params()` so they are refused by name. Items and tools of kinds this server cannot serve
-(images, hosted tools such as web_search) are parsed as `OtherItem` / `HostedTool` and refused with a
+(images, hosted tools such as web_search) are parsed as `Unsupported` and refused with a
 400 naming them, rather than failing validation with a union error.
 """
 
@@ -46,8 +46,10 @@ class Refusal(OpenAIBaseModel):
     refusal: str
 
 
-class OtherContent(BaseModel):
-    """Images, files, audio: parsed so the 400 can name them."""
+class Unsupported(BaseModel):
+    """Any input part, item, tool or tool choice of a type this server does not serve (images, files,
+    audio; reasoning items, item references; hosted tools such as web_search; allowed_tools, mcp):
+    parsed only so that the 400 can name it and its type."""
 
     model_config = ConfigDict(extra="allow")
     type: str
@@ -55,7 +57,7 @@ class OtherContent(BaseModel):
 
 ContentPart = Annotated[
     Union[Annotated[InputText, Tag("input_text")], Annotated[OutputText, Tag("output_text")],
-          Annotated[Refusal, Tag("refusal")], Annotated[OtherContent, Tag("other")]],
+          Annotated[Refusal, Tag("refusal")], Annotated[Unsupported, Tag("other")]],
     Discriminator(lambda v: _kind(v, ("input_text", "output_text", "refusal"))),
 ]
 
@@ -89,16 +91,9 @@ class FunctionCallOutputItem(OpenAIBaseModel):
     status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
 
 
-class OtherItem(BaseModel):
-    """Reasoning, item references, hosted tools' calls...: parsed so the 400 can name them."""
-
-    model_config = ConfigDict(extra="allow")
-    type: str
-
-
 InputItem = Annotated[
     Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
-          Annotated[FunctionCallOutputItem, Tag("function_call_output")], Annotated[OtherItem, Tag("other")]],
+          Annotated[FunctionCallOutputItem, Tag("function_call_output")], Annotated[Unsupported, Tag("other")]],
     Discriminator(lambda v: _kind(v, ("message", "function_call", "function_call_output"), default="message")),
 ]
 
@@ -115,15 +110,8 @@ class FunctionTool(OpenAIBaseModel):
     defer_loading: Optional[bool] = None
 
 
-class HostedTool(BaseModel):
-    """web_search, file_search, code_interpreter, mcp, ...: refused by name."""
-
-    model_config = ConfigDict(extra="allow")
-    type: str
-
-
 Tool = Annotated[
-    Union[Annotated[FunctionTool, Tag("function")], Annotated[HostedTool, Tag("other")]],
+    Union[Annotated[FunctionTool, Tag("function")], Annotated[Unsupported, Tag("other")]],
     Discriminator(lambda v: _kind(v, ("function",))),
 ]
 
@@ -133,16 +121,9 @@ class ToolChoiceFunction(OpenAIBaseModel):
     name: str
 
 
-class ToolChoiceOther(BaseModel):
-    """allowed_tools, hosted tool choices, mcp, custom: refused by name."""
-
-    model_config = ConfigDict(extra="allow")
-    type: str
-
-
 ToolChoice = Union[
     Literal["none", "auto", "required"],
-    Annotated[Union[Annotated[ToolChoiceFunction, Tag("function")], Annotated[ToolChoiceOther, Tag("other")]],
+    Annotated[Union[Annotated[ToolChoiceFunction, Tag("function")], Annotated[Unsupported, Tag("other")]],
               Discriminator(lambda v: _kind(v, ("function",)))],
 ]
 
