@@ -11,7 +11,6 @@ stored model's metadata names runs in a process of its own (the embedded engine)
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from http import HTTPStatus
 from pathlib import Path
@@ -32,8 +31,6 @@ from llgtrt_core.api.shutdown import SHUTDOWN, drain_on_sigterm
 from llgtrt_core.chat_template import ChatTemplate
 from llgtrt_core.config import TokenizerConfig, load_config
 from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
-from llgtrt_core.constraints.loop_guard import LoopGuardSettings
-from llgtrt_core.constraints.request_grammar import NumberBounds
 from llgtrt_core.engine.factory import create_engine
 from llgtrt_core.runtime import ModelRuntime
 from llgtrt_core.tokenizer import Tokenizer
@@ -113,17 +110,7 @@ class LLM:
             # wide as the logits, so padded vocab ids exist and stay disallowed.
             eos_token_ids = sorted(tokenizer.eos_token_ids)
             ll_tokenizer = await asyncio.to_thread(build_ll_tokenizer, tokenizer.hf, vocab_size, eos_token_ids)
-            guidance = CONFIG.llguidance
-            grammars = GrammarCompiler(ll_tokenizer, limits=dataclasses.asdict(guidance.limits),
-                                       cache_size=guidance.grammar_cache_size, max_workers=guidance.compile_threads,
-                                       log_level=guidance.log_level,
-                                       json_whitespace_flexible=guidance.whitespace_flexible,
-                                       loop_guard=LoopGuardSettings(guidance.loop_guard.min_span,
-                                                                    guidance.loop_guard.min_repeats),
-                                       loop_guard_by_default=guidance.loop_guard.enabled,
-                                       number_bounds=NumberBounds(guidance.number_bounds.integer_digits,
-                                                                  guidance.number_bounds.fraction_digits)
-                                       if guidance.number_bounds.enabled else None)
+            grammars = GrammarCompiler.from_config(ll_tokenizer, CONFIG.llguidance)
             engine = metrics.MeteredEngine(create_engine(model_dir, metadata, CONFIG, vocab_size, eos_token_ids,
                                                          tokenizer.hf.eos_token_id, grammars))
             await engine.start()

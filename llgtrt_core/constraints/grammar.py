@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
@@ -35,6 +36,9 @@ __all__ = [
     "parser_limits",
     "request_grammar",
 ]
+
+if TYPE_CHECKING:
+    from llgtrt_core.config import LlguidanceConfig
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +147,18 @@ class GrammarCompiler:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_workers or min(4, os.cpu_count() or 1), thread_name_prefix="grammar"
         )
+
+    @classmethod
+    def from_config(cls, ll_tokenizer: LLTokenizer, guidance: "LlguidanceConfig") -> "GrammarCompiler":
+        """The compiler the `llguidance` config section describes (the serving and engine processes each
+        build one)."""
+        bounds = guidance.number_bounds
+        return cls(ll_tokenizer, limits=dataclasses.asdict(guidance.limits), cache_size=guidance.grammar_cache_size,
+                   max_workers=guidance.compile_threads, log_level=guidance.log_level,
+                   json_whitespace_flexible=guidance.whitespace_flexible,
+                   loop_guard=LoopGuardSettings(guidance.loop_guard.min_span, guidance.loop_guard.min_repeats),
+                   loop_guard_by_default=guidance.loop_guard.enabled,
+                   number_bounds=NumberBounds(bounds.integer_digits, bounds.fraction_digits) if bounds.enabled else None)
 
     async def compile(self, grammar: str, param: str = "response_format") -> CompiledGrammar:
         """Validate and compile in a worker thread, or answer from the cache.

@@ -11,7 +11,6 @@ to its process group leave it to the serving process to stop.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import signal
 import sys
@@ -37,10 +36,7 @@ class EngineCore:
         self._send_lock = threading.Lock()  # the main thread, compile threads and the engine thread send
         tokenizer = Tokenizer(spec.model_dir)
         ll_tokenizer = build_ll_tokenizer(tokenizer.hf, spec.vocab_size, list(spec.eos_token_ids))
-        guidance = spec.llguidance
-        self.grammars = GrammarCompiler(ll_tokenizer, limits=dataclasses.asdict(guidance.limits),
-                                        cache_size=guidance.grammar_cache_size, max_workers=guidance.compile_threads,
-                                        log_level=guidance.log_level)
+        self.grammars = GrammarCompiler.from_config(ll_tokenizer, spec.llguidance)
         config = spec.engine_config
         post_processor = MaskPostProcessor(ll_tokenizer, max_batch_size=config.max_batch_size)  # type: ignore[attr-defined]
         cuda_kernel_available()  # build (or load) the CUDA mask kernel now, not on the first constrained step
