@@ -33,6 +33,7 @@ MAX_PROMPT_CHARS = 2_500_000
 MAX_MESSAGES = 4096
 MAX_TOOLS = 4
 LIVEZ_BOUND_S = 1.0
+MIN_WORK_S = 0.3  # a stall shorter than this is lost among the probes' own latencies
 
 
 @pytest.fixture(scope="module")
@@ -159,10 +160,13 @@ def test_livez_answers_while_a_huge_allowed_prompt_is_processed(hardened: BentoS
         done.set()
         prober.join(timeout=30)
     assert response.status_code in (200, 400) and response.status_code < 500, response.text[:300]
-    assert took > LIVEZ_BOUND_S, f"the work took only {took:.2f} s: too little to show a stall"
-    # Held on the event loop, the work stalled /livez for all of it (2-5 s here); off it, what is left is
-    # parsing the body and CPU time shared with 4 other jobs on 2 cores.
-    assert max(latencies) < LIVEZ_BOUND_S, f"/livez took {max(latencies):.2f} s while the prompt was processed ({took:.2f} s)"
+    assert took > MIN_WORK_S, f"the work took only {took:.2f} s: too little to show a stall"
+    # Held on the event loop, the work stalled /livez for all of it (2-5 s here: the probe in flight when
+    # it started waited until it ended); off it, what is left is parsing the body and CPU time shared
+    # with other jobs on 2 cores. A fast machine does the work in about the bound itself, so a stall is
+    # also measured against the work's own time.
+    assert max(latencies) < min(LIVEZ_BOUND_S, took / 2), \
+        f"/livez took {max(latencies):.2f} s while the prompt was processed ({took:.2f} s)"
 
 
 # --------------------------------------------------------------------------- bentoml's /generate
