@@ -177,6 +177,41 @@ def test_bf16_graph_decode_logits_track_the_reference() -> None:
         assert relative < 3e-2, (row, float(relative))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_mixed_pass_gives_the_decode_and_prefill_logits_of_the_reference(device: str) -> None:
+    """`mixed`: two rows decode a token while two prompts (one from 0, one continuing a cached
+    prefix, as a chunked prefill does) run in the same pass; every row's logits match the reference."""
+    from llgtrt_core.engine.kv_cache import KVCache
+    from llgtrt_core.models.llama import Segment
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    config = ModelConfig.from_hf(TINY_LLAMA)
+    model = random_model(config, MAX_LEN, dtype, torch.device(device), seed=5)
+    weights = {name: t.double().cpu() for name, t in model.checkpoint_tensors().items()}
+    cache = KVCache.for_device(config.num_layers, 4, config.num_kv_heads, config.head_dim, MAX_LEN, dtype,
+                               torch.device(device))
+    generator = torch.Generator().manual_seed(6)
+    decoding = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (9, 40)]
+    fresh, continued = (torch.randint(0, 512, (n,), generator=generator).tolist() for n in (21, 37))
+    for slot, tokens in enumerate([*decoding, fresh, continued]):
+        assert cache.allocate(slot, len(tokens) + 1)
+    cache.sync_table()
+    for slot, prompt in enumerate(decoding):
+        model.extend(torch.tensor(prompt, device=device), cache, slot)
+    model.extend(torch.tensor(continued[:16], device=device), cache, 3)  # the cached first chunk
+    next_tokens = [11, 12]
+    logits = model.mixed(torch.tensor(next_tokens, device=device),
+                         torch.tensor([len(p) for p in decoding], device=device), 41, cache, cache.block_table[:2],
+                         torch.tensor(fresh + continued[16:], device=device),
+                         [Segment(2, 0, len(fresh)), Segment(3, 16, len(continued) - 16)]).double().cpu()
+    expected = [reference_next_logits(weights, config, tokens)
+                for tokens in (decoding[0] + [11], decoding[1] + [12], fresh, continued)]
+    tolerance = 1e-4 if device == "cpu" else 3e-2
+    for row, want in enumerate(expected):
+        relative = (logits[row] - want).norm() / want.norm()
+        assert relative < tolerance, (row, float(relative))
+
+
 @cuda
 def test_triton_decode_equals_the_torch_ops_for_a_qwen3_shape() -> None:
     """float32 Qwen3 shape (q/k norms fused into the RoPE kernel, qkv biases): the Triton decode

@@ -119,13 +119,15 @@ def test_continuous_batching_matches_running_alone(engine_factory, tokenizer, ov
         await engine.start()
         try:
             together = await asyncio.gather(*(run(engine, request(i, *s)) for i, s in enumerate(specs)))
+            mixed = engine.runner.num_mixed_steps
             alone = [await run(engine, request(i, *s)) for i, s in enumerate(specs)]
-            return together, alone, engine.num_active
+            return together, alone, engine.num_active, mixed
         finally:
             await engine.shutdown()
 
-    together, alone, active = asyncio.run(scenario())
+    together, alone, active, mixed = asyncio.run(scenario())
     assert together == alone
+    assert mixed > 0  # requests joined while others decoded: those steps ran in one pass
     assert [reason for _, reason in together][2] == "length"
     assert len(together[2][0]) == 3
     assert together[0][1] == "stop"  # the greedy answer ends with EOS, which is not emitted
@@ -334,9 +336,9 @@ async def _after_steps(engine: TorchEngine, steps: int, awaitable):
 def test_prompts_split_over_prefill_passes_match_running_alone(engine_factory, tokenizer, monkeypatch) -> None:
     """A step's prompts share forward passes up to PREFILL_PASS_TOKENS (here 40): some passes hold
     two prompts, a longer one runs alone; every request still gets the tokens it gets alone."""
-    import llgtrt_core.engine.torch_engine as torch_engine
+    import llgtrt_core.engine.model_runner as model_runner
 
-    monkeypatch.setattr(torch_engine, "PREFILL_PASS_TOKENS", 40)
+    monkeypatch.setattr(model_runner, "PREFILL_PASS_TOKENS", 40)
     lengths = [10, 14, 50, 12]  # passes [10, 14], [50] (over the budget: alone), [12]
     requests = [GenerationRequest(f"p{i}", list(range(300 + i, 300 + i + n)),
                                   SamplingParams(max_tokens=4, temperature=0.0)) for i, n in enumerate(lengths)]

@@ -44,6 +44,20 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class NewTokens:
+    """Where new tokens of one or more sequences go, concatenated segment after segment: each
+    token's cache block and offset (total,), float32 cos/sin (1, 1, total, head_dim), and per
+    segment its causal mask over its row's keys ((length, start+length) bool; None from 0)."""
+
+    segments: Sequence[Segment]
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    attn_masks: list[Optional[torch.Tensor]]
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -172,26 +186,38 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def extend(self, x: torch.Tensor, cos, sin, cache: KVCache, segments: Sequence[Segment],
-               attn_masks: Sequence[Optional[torch.Tensor]], blocks: torch.Tensor, offsets: torch.Tensor
-               ) -> torch.Tensor:
-        """New tokens of one or more sequences, concatenated: segment i's attend to its row's cached
-        keys and causally among themselves. x: (1, total, hidden); cos/sin: float32 (1, 1, total,
-        head_dim); attn_masks[i]: (length, start+length) bool, None when the segment starts at 0;
-        blocks/offsets: (total,) where each token's key and value go in the cache.
-        The projections run over all tokens at once, attention one segment at a time."""
-        batch, total, _ = x.shape
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(batch, total, self.num_heads, self.head_dim)
-        k = k.view(batch, total, self.num_kv_heads, self.head_dim)
-        v = v.view(batch, total, self.num_kv_heads, self.head_dim)
+    def extend(self, x: torch.Tensor, new: NewTokens, cache: KVCache) -> torch.Tensor:
+        """New tokens of one or more sequences, concatenated (see `NewTokens`); x: (1, total, hidden)."""
+        return self.o_proj(self._attend_new(self.qkv_proj(x[0]), new, cache)).unsqueeze(0)
+
+    def mixed(self, x: torch.Tensor, num_decoding: int, ops: LayerOps, cos_table: torch.Tensor,
+              sin_table: torch.Tensor, cache: KVCache, block_table: torch.Tensor, positions: torch.Tensor,
+              key_len: int, new: NewTokens) -> torch.Tensor:
+        """`decode` for the first `num_decoding` rows of x, `extend` for the rest, with one projection
+        over all of them: x: (num_decoding + total, hidden)."""
+        qkv = self.qkv_proj(x)
+        keys, values = cache.keys[self.layer_index], cache.values[self.layer_index]
+        qk_norm = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q = ops.rope_write_kv(qkv[:num_decoding], positions, cos_table, sin_table, keys, values, block_table, *qk_norm)
+        decoded = ops.decode_attention(q, keys, values, block_table, positions, key_len)
+        return self.o_proj(torch.cat([decoded, self._attend_new(qkv[num_decoding:], new, cache)]))
+
+    def _attend_new(self, qkv: torch.Tensor, new: NewTokens, cache: KVCache) -> torch.Tensor:
+        """Attention of new tokens, qkv: (total, q+k+v): each segment's tokens attend to its row's
+        cached keys and causally among themselves; their keys and values are written to the cache.
+        Returns (total, heads * head_dim). Attention runs one segment at a time."""
+        total = qkv.shape[0]
+        q, k, v = self.qkv_proj.split(qkv.unsqueeze(0))
+        q = q.view(1, total, self.num_heads, self.head_dim)
+        k = k.view(1, total, self.num_kv_heads, self.head_dim)
+        v = v.view(1, total, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, total, head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(self.layer_index, blocks, offsets, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (1, heads, total, head_dim)
+        q, k = apply_rope(q, new.cos, new.sin), apply_rope(k, new.cos, new.sin)
+        cache.write(self.layer_index, new.blocks, new.offsets, k[0].transpose(0, 1), v[0].transpose(0, 1))
         outputs, offset = [], 0
-        for segment, attn_mask in zip(segments, attn_masks):
+        for segment, attn_mask in zip(new.segments, new.attn_masks):
             part = slice(offset, offset + segment.length)
             if segment.start == 0:  # nothing cached before: its own keys are all it sees
                 keys, values = k[0, :, part], v[0, :, part]
@@ -202,7 +228,7 @@ class Attention(nn.Module):
                                                           enable_gqa=True))
             offset += segment.length
         out = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
-        return self.o_proj(out.transpose(1, 2).reshape(batch, total, -1))
+        return out[0].transpose(0, 1).reshape(total, -1)
 
     def decode(self, x: torch.Tensor, ops: LayerOps, cos_table: torch.Tensor, sin_table: torch.Tensor,
                cache: KVCache, block_table: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
@@ -308,7 +334,31 @@ class LlamaForCausalLM(nn.Module):
     def extend_hidden(self, token_ids: torch.Tensor, cache: KVCache, segments: Sequence[Segment]) -> torch.Tensor:
         """`extend_batch`, returning every new position's final hidden state (total, hidden) instead
         of the last positions' logits (prompt logprobs project them chunk by chunk)."""
-        device = token_ids.device
+        new = self._new_tokens(cache, segments, token_ids.device)
+        hidden = self._run(self.model.embed_tokens(token_ids.unsqueeze(0)), layer_ops(token_ids.device, self.fused_ops),
+                           lambda attn, h: attn.extend(h, new, cache))
+        return hidden[0]
+
+    @torch.inference_mode()
+    def mixed(self, decode_tokens: torch.Tensor, positions: torch.Tensor, key_len: int, cache: KVCache,
+              block_table: torch.Tensor, new_tokens: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
+        """`decode` of the first rows and `extend_batch` of the segments in one forward pass: the
+        weights are read once for both. Returns the decoded rows' logits, then each segment's
+        last-position logits (n + segments, vocab)."""
+        device = decode_tokens.device
+        n = decode_tokens.shape[0]
+        new = self._new_tokens(cache, segments, device)
+        ops = layer_ops(device, self.fused_ops)
+        hidden = self._run(
+            self.model.embed_tokens(torch.cat([decode_tokens, new_tokens])), ops,
+            lambda attn, h: attn.mixed(h, n, ops, self.rope_cos, self.rope_sin, cache, block_table, positions,
+                                       key_len, new),
+        )
+        ends = itertools.accumulate(s.length for s in segments)
+        rows = int64_to_device([*range(n), *(n + end - 1 for end in ends)], device)
+        return self.lm_head(hidden[rows]).float()
+
+    def _new_tokens(self, cache: KVCache, segments: Sequence[Segment], device: torch.device) -> NewTokens:
         # From pinned memory: a pageable copy would wait for the work already queued (the GPU idles
         # while the host then queues this pass).
         positions = int64_to_device([p for s in segments for p in range(s.start, s.start + s.length)], device)
@@ -319,12 +369,8 @@ class LlamaForCausalLM(nn.Module):
                       torch.arange(s.start + s.length, device=device) <= torch.arange(s.start, s.start + s.length,
                                                                                        device=device)[:, None]
                       for s in segments]
-        cos, sin = self.rope_cos[positions][None, None], self.rope_sin[positions][None, None]
-        hidden = self._run(
-            self.model.embed_tokens(token_ids.unsqueeze(0)), layer_ops(device, self.fused_ops),
-            lambda attn, h: attn.extend(h, cos, sin, cache, segments, attn_masks, blocks, offsets),
-        )
-        return hidden[0]
+        return NewTokens(segments, blocks, offsets, self.rope_cos[positions][None, None],
+                         self.rope_sin[positions][None, None], attn_masks)
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, key_len: int, cache: KVCache,

@@ -1,0 +1,167 @@
+"""The embedded engine's forward pass: a step plan in, the logits of every row that samples out.
+
+A step decodes one token for each running row (CUDA graphs when captured, `decode_graphs.py`),
+feeds the tokens a grammar forced after the last sampled one (`extend_batch`), and prefills the
+plan's prompt chunks, several per pass. When rows decode and prompts are prefilled in the same
+step, both go through one `mixed` pass: the weights are read once, not once for the decode and
+again for the prompts (at 256 streams, where a new request arrives nearly every step, the
+separate prefill pass cost as much as the decode).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from llgtrt_core.engine.decode_graphs import DecodeGraphs
+from llgtrt_core.engine.kv_cache import KVCache
+from llgtrt_core.engine.sampler import token_logprobs
+from llgtrt_core.engine.sequence import Chunk, Sequence, StepPlan
+from llgtrt_core.kernels import int64_to_device
+from llgtrt_core.models.llama import LlamaForCausalLM, Segment
+
+_PROMPT_LOGPROBS_CHUNK = 256  # prompt positions projected to the vocabulary at once
+PREFILL_PASS_TOKENS = 8192  # prompt tokens batched into one forward pass (bounds its activations)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, device: torch.device,
+                 decode_graphs: Optional[DecodeGraphs]):
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.decode_graphs = decode_graphs
+        self.num_mixed_steps = 0  # steps that decoded and prefilled in one pass
+
+    def forward(self, plan: StepPlan, running: list[Sequence], ahead: Optional[torch.Tensor]
+                ) -> Optional[torch.Tensor]:
+        """Run `plan` over the running rows; `ahead`: the logits of their decode queued ahead (fed the
+        sampled tokens on the device), None to decode here. The logits of every row that samples
+        this step, in row order (None when no row does). Advances each sequence's cached length."""
+        logits = []
+        num_decoding = plan.num_decoding
+        if num_decoding:
+            batch = running[:num_decoding]
+            if ahead is None and self._mixes(batch, plan.chunks):
+                return self._mixed(batch, plan.chunks)
+            if ahead is None:
+                ahead = self.decode(batch, int64_to_device([seq.pending_tokens[0] for seq in batch], self.device))
+                for seq in batch:
+                    seq.length += 1
+                    seq.pending_tokens = seq.pending_tokens[1:]  # a copy: the list went out in a delta
+            logits.append(self._extend_pending(batch, ahead[:num_decoding]))
+        if plan.chunks:
+            rows = self._prefill(plan.chunks)
+            # Only the last chunk can stop short of its prompt's end (the scheduler stops there).
+            sampling = rows if plan.chunks[-1].last else rows[:-1]
+            if sampling.shape[0]:
+                logits.append(sampling)
+        if not logits:
+            return None
+        return torch.cat(logits) if len(logits) > 1 else logits[0]
+
+    def decode(self, batch: list[Sequence], token_ids: torch.Tensor) -> torch.Tensor:
+        """One batched decode of `token_ids` (on the device) at each sequence's next position (rows
+        0..n-1, their blocks allocated); the caller advances the lengths."""
+        positions = [seq.length for seq in batch]
+        positions_tensor = int64_to_device(positions, self.device)
+        if self.decode_graphs is not None:
+            return self.decode_graphs.decode(token_ids, positions_tensor)
+        return self.model.decode(token_ids, positions_tensor, max(positions) + 1, self.cache,
+                                 self.cache.block_table[: len(batch)])
+
+    def _mixes(self, batch: list[Sequence], chunks: list[Chunk]) -> bool:
+        """Decode and prefill share one pass: there are prompts, none scores its logprobs (that pass
+        projects every position), no row has grammar-forced tokens to feed besides its decode token,
+        and the prompts fit one pass."""
+        return (bool(chunks) and not any(c.seq.scores_prompt() for c in chunks)
+                and all(len(seq.pending_tokens) == 1 for seq in batch)
+                and sum(c.num_tokens for c in chunks) <= PREFILL_PASS_TOKENS)
+
+    def _mixed(self, batch: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
+        self.num_mixed_steps += 1
+        positions = [seq.length for seq in batch]
+        tokens = int64_to_device([seq.pending_tokens[0] for seq in batch], self.device)
+        new_tokens = int64_to_device([t for c in chunks for t in c.seq.prefill_tokens[c.seq.length:c.end]], self.device)
+        logits = self.model.mixed(tokens, int64_to_device(positions, self.device), max(positions) + 1, self.cache,
+                                  self.cache.block_table[: len(batch)], new_tokens, _segments(chunks))
+        for seq in batch:
+            seq.length += 1
+            seq.pending_tokens = []
+        for chunk in chunks:
+            chunk.seq.length = chunk.end
+        return logits if chunks[-1].last else logits[:-1]
+
+    def _extend_pending(self, batch: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Feed the tokens still pending after the decoded one (forced by a grammar) through one
+        `extend_batch`; each such sequence's row becomes its last pending token's logits."""
+        pending = [(slot, seq) for slot, seq in enumerate(batch) if seq.pending_tokens]
+        if not pending:
+            return logits
+        tokens = int64_to_device([t for _, seq in pending for t in seq.pending_tokens], self.device)
+        segments = [Segment(slot, seq.length, len(seq.pending_tokens)) for slot, seq in pending]
+        slots = int64_to_device([slot for slot, _ in pending], self.device)
+        logits[slots] = self.model.extend_batch(tokens, self.cache, segments)
+        for _, seq in pending:
+            seq.length += len(seq.pending_tokens)
+            seq.pending_tokens = []
+        return logits
+
+    def _prefill(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Extend each chunk's row with its tokens, several chunks per forward pass (the matmuls
+        batched: a wave of prompts is prefilled in a few passes, not one pass each); each chunk's
+        last-position logits, in order."""
+        rows = []
+        for batch in _prefill_passes(chunks):
+            seq = batch[0].seq
+            if seq.scores_prompt():  # alone in its pass
+                tokens = int64_to_device(seq.prefill_tokens[seq.length:batch[0].end], self.device)
+                rows.append(self._extend_scoring_prompt(seq, tokens, batch[0].row).unsqueeze(0))
+                continue
+            tokens = int64_to_device([t for c in batch for t in c.seq.prefill_tokens[c.seq.length:c.end]], self.device)
+            rows.append(self.model.extend_batch(tokens, self.cache, _segments(batch)))
+        for chunk in chunks:
+            chunk.seq.length = chunk.end
+        return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+    def _extend_scoring_prompt(self, seq: Sequence, tokens: torch.Tensor, row: int) -> torch.Tensor:
+        """`extend` with these tokens, also scoring the prompt tokens they predict under the model
+        (raw logprobs, appended to seq.prompt_logprobs); forced tokens are not scored.
+
+        The hidden states are projected here a chunk of positions at a time, to bound the
+        (positions, vocab) memory.
+        """
+        start = seq.length
+        hidden = self.model.extend_hidden(tokens, self.cache, [Segment(row, start, tokens.shape[0])])
+        logits = self.model.lm_head(hidden[-1]).float()
+        prompt = seq.request.prompt_token_ids
+        scored = min(start + tokens.shape[0], len(prompt) - 1) - start  # position p predicts prompt[p + 1]
+        targets = int64_to_device(prompt[start + 1:start + 1 + max(scored, 0)], self.device)
+        num_top = seq.request.sampling.prompt_logprobs
+        for first in range(0, scored, _PROMPT_LOGPROBS_CHUNK):
+            last = min(first + _PROMPT_LOGPROBS_CHUNK, scored)
+            chunk_logprobs = self.model.lm_head(hidden[first:last]).float().log_softmax(dim=-1)
+            seq.prompt_logprobs += token_logprobs(chunk_logprobs, targets[first:last], [num_top] * (last - first))[1]
+        return logits
+
+
+def _segments(chunks: list[Chunk]) -> list[Segment]:
+    return [Segment(c.row, c.seq.length, c.num_tokens) for c in chunks]
+
+
+def _prefill_passes(chunks: list[Chunk]) -> list[list[Chunk]]:
+    """Consecutive chunks grouped into forward passes of at most PREFILL_PASS_TOKENS tokens (a longer
+    chunk runs alone); a chunk scoring its prompt's logprobs runs alone too."""
+    passes: list[list[Chunk]] = []
+    tokens = 0
+    for chunk in chunks:
+        size = chunk.num_tokens
+        if (not passes or tokens + size > PREFILL_PASS_TOKENS or chunk.seq.scores_prompt()
+                or passes[-1][0].seq.scores_prompt()):
+            passes.append([chunk])
+            tokens = size
+        else:
+            passes[-1].append(chunk)
+            tokens += size
+    return passes

@@ -1,0 +1,224 @@
+"""The embedded engine's scheduler: which sequences run, which wait, what each step computes.
+
+Host bookkeeping only, no tensors: `schedule` returns a `StepPlan` and the engine runs it.
+Running sequences fill cache rows 0..n-1; one leaving frees its row and the last row moves into
+the hole (`on_move` lets the engine move its per-row device state along).
+
+KV memory is handed out in blocks as sequences grow (`kv_cache.py`). A waiting request is
+admitted when its prompt's blocks are free, with room to spare for the running sequences'
+growth while it is prefilled; when a running sequence needs a block and none is free, the most
+recently admitted sequence is preempted: its blocks are freed and it waits at the head of the
+queue to be recomputed (its prompt and every token it has emitted prefilled again; nothing is
+emitted twice).
+
+With `prefill_chunk_tokens` set, a step prefills at most that many prompt tokens: a longer
+prompt is prefilled a chunk per step while the running rows keep decoding. That prompt is the
+only one in progress; it sits in the cache's prefill row, and joins the running rows once its
+last chunk is planned.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from typing import Callable, Optional, Protocol
+
+from llgtrt_core import metrics
+from llgtrt_core.engine.interface import TokenDelta
+from llgtrt_core.engine.sequence import Chunk, Sequence, StepPlan
+
+
+class BlockPool(Protocol):
+    """The host half of the KV cache the scheduler hands out (`KVCache`)."""
+
+    num_slots: int
+    prefill_row: int
+
+    @property
+    def free_blocks(self) -> int: ...
+    def blocks_held(self, row: int) -> int: ...
+    def blocks_for(self, positions: int) -> int: ...
+    def allocate(self, row: int, positions: int) -> bool: ...
+    def free(self, row: int) -> None: ...
+    def move(self, src: int, dst: int) -> None: ...
+
+
+class Scheduler:
+    def __init__(
+        self,
+        blocks: BlockPool,
+        prefill_chunk_tokens: Optional[int],
+        prepare: Callable[[Sequence], None],
+        on_join: Callable[[Sequence, int], None],
+        on_move: Callable[[int, int], None],
+    ):
+        """prepare: fills a sequence's prompt state the first time it is admitted (its
+        prefill_tokens: the prompt, then any tokens its grammar forces before sampling).
+        on_join: a sequence starts running in a row. on_move: a running row moved (src, dst)."""
+        self.blocks = blocks
+        self.prefill_chunk_tokens = prefill_chunk_tokens or None
+        self._prepare = prepare
+        self._on_join = on_join
+        self._on_move = on_move
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # index i occupies cache row i
+        self.prefilling: Optional[Sequence] = None  # a prompt part-prefilled, in the cache's prefill row
+        self._admissions = itertools.count()
+        self.num_preemptions = 0
+
+    # ---- queue ---------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def idle(self) -> bool:
+        return not self.running and not self.waiting and self.prefilling is None
+
+    def in_slots(self) -> list[Sequence]:
+        """The sequences holding a cache row: running ones, then the prompt in progress."""
+        return self.running + ([self.prefilling] if self.prefilling is not None else [])
+
+    def abort(self, request_id: str) -> None:
+        """End the request wherever it is (an abort delta), freeing what it holds."""
+        if self.prefilling is not None and self.prefilling.request_id == request_id:
+            self.prefilling.emit(TokenDelta(finish_reason="abort"))
+            self._release_prefilling()
+            return
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                seq.emit(TokenDelta(finish_reason="abort"))
+                return
+        for index, seq in enumerate(self.running):
+            if seq.request_id == request_id:
+                seq.emit(TokenDelta(finish_reason="abort"))
+                self.remove(index)
+                return
+
+    def remove(self, index: int) -> None:
+        """Free row `index`'s blocks and move the last running sequence into it."""
+        last = len(self.running) - 1
+        self.blocks.free(index)
+        if index != last:
+            self.blocks.move(last, index)
+            self._on_move(last, index)
+            self.running[index] = self.running[last]
+        self.running.pop()
+
+    def clear(self) -> list[Sequence]:
+        """Forget every sequence (a failed step or shutdown; the caller frees the blocks); those that
+        held a cache row."""
+        held = self.in_slots()
+        self.running.clear()
+        self.prefilling = None
+        return held
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> Optional[StepPlan]:
+        """This step's plan; None when nothing can run (a prompt in progress waits for blocks)."""
+        self._make_room()
+        num_decoding = len(self.running)
+        chunks = self._plan_prefill()
+        if not chunks and not num_decoding:
+            return None
+        return StepPlan(num_decoding, chunks)
+
+    def admits_next(self) -> bool:
+        """Whether the next step would prefill a prompt: one is in progress, or the first waiting
+        one has a free row and its blocks (rows about to finish are not counted free)."""
+        return self.prefilling is not None or (
+            bool(self.waiting) and len(self.running) < self.blocks.num_slots and self._fits(self.waiting[0]))
+
+    def _make_room(self) -> None:
+        """Blocks for every position the running rows may write this step: their pending tokens
+        and the decode queued ahead of the next. When the pool runs dry,
+        the newest sequence is preempted until the rest fit (one always does: the pool holds a
+        whole context)."""
+        row = 0
+        while row < len(self.running):
+            seq = self.running[row]
+            if self.blocks.allocate(row, seq.length + len(seq.pending_tokens) + 1):
+                row += 1
+                continue
+            self._preempt(self.prefilling or max(self.running, key=lambda s: s.admission))
+            row = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s blocks and queue it first, to prefill again what it held (recompute)."""
+        if seq is self.prefilling:
+            held = self._release_prefilling()
+        else:
+            row = self.running.index(seq)
+            held = self.blocks.blocks_held(row)
+            self.remove(row)
+            seq.prefill_tokens = list(seq.token_ids)  # all emitted: nothing to send once prefilled
+            seq.pending_tokens = []
+        seq.length = 0
+        if seq.prompt_logprobs is not None:  # its prompt's scoring starts over too
+            seq.prompt_logprobs = [None]
+        self.waiting.appendleft(seq)
+        if held:  # an admitted prompt still waiting for its first blocks lost nothing
+            self.num_preemptions += 1
+            metrics.preemptions.inc()
+
+    def _release_prefilling(self) -> int:
+        """Drop the prompt in progress and free the prefill row; the blocks it held."""
+        self.prefilling = None
+        held = self.blocks.blocks_held(self.blocks.prefill_row)
+        self.blocks.free(self.blocks.prefill_row)
+        return held
+
+    def _plan_prefill(self) -> list[Chunk]:
+        """Admit waiting requests and pick this step's prompt chunks, in row order: whole prompts
+        while the token budget and the free blocks last, then the start of the next one, which
+        stays in progress in the prefill row (nothing else is admitted until it is done). A prompt
+        prefilled to its end this step joins the running sequences now, so the step's constrained
+        rows are known before the forward."""
+        budget = self.prefill_chunk_tokens or math.inf
+        chunks: list[Chunk] = []
+        while budget > 0:
+            slot = len(self.running)
+            if self.prefilling is not None:
+                seq = self.prefilling
+            elif self.waiting and slot < self.blocks.num_slots and self._fits(self.waiting[0]):
+                seq = self.prefilling = self.waiting.popleft()  # held here: a failed step ends it
+                self._admit(seq)
+            else:
+                break
+            end = min(len(seq.prefill_tokens), seq.length + budget)
+            last = end == len(seq.prefill_tokens)
+            # A sequence that samples this step also needs its next position (the decode queued ahead).
+            if not self.blocks.allocate(self.blocks.prefill_row, end + last):
+                break  # it waits in the prefill row for blocks; running sequences go on
+            budget -= end - seq.length
+            if last:
+                self.blocks.move(self.blocks.prefill_row, slot)
+                self._join(seq, slot)
+                chunks.append(Chunk(seq, slot, end, last=True))
+            else:
+                chunks.append(Chunk(seq, self.blocks.prefill_row, end, last=False))
+                break
+        return chunks
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Whether the blocks free now hold `seq`'s prompt, with room to spare for each running
+        sequence to grow while the prompt is prefilled (a token per prefill step), so that they do
+        not take its blocks back before it is done."""
+        tokens = len(seq.prefill_tokens or seq.request.prompt_token_ids) + 1
+        steps = math.ceil(tokens / (self.prefill_chunk_tokens or tokens))
+        spare = len(self.running) * self.blocks.blocks_for(steps + 1)
+        return self.blocks.blocks_for(tokens) + spare <= self.blocks.free_blocks
+
+    def _admit(self, seq: Sequence) -> None:
+        """Mark `seq` admitted; the first time, `prepare` decides its tokens to prefill. A preempted
+        sequence prefills its prompt and what it emitted."""
+        seq.admission = next(self._admissions)
+        if not seq.token_ids:
+            self._prepare(seq)
+
+    def _join(self, seq: Sequence, slot: int) -> None:
+        self.running.append(seq)
+        self.prefilling = None
+        self._on_join(seq, slot)

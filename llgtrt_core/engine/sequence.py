@@ -1,0 +1,67 @@
+"""A request's state inside the embedded engine, and the plan of one engine step (host only)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from llgtrt_core.engine.interface import GenerationRequest, TokenDelta, TokenLogprob
+
+
+@dataclass
+class Sequence:
+    request: GenerationRequest
+    emit: Callable[[TokenDelta], None]  # engine thread: queues the delta for the step's delivery
+    generator: object  # its torch.Generator (the sampler's per-row draws)
+    length: int = 0  # positions held in the KV cache
+    token_ids: list[int] = field(default_factory=list)  # prompt + emitted tokens, once admitted
+    prefill_tokens: list[int] = field(default_factory=list)  # prompt + forced (or emitted) tokens, until prefilled
+    admission: int = -1  # when it was last admitted: preemption takes the newest
+    num_generated: int = 0
+    pending_tokens: list[int] = field(default_factory=list)  # sampled (then forced) tokens not in the cache yet
+    uncommitted_token: Optional[int] = None  # sampled last step, not yet seen by the constraint
+    fast_forward: bool = False  # its constraint's forced tokens are fed without sampling
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # sent with the first delta
+    arrival: float = field(default_factory=time.monotonic)  # for the queue-time metric
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def take_prompt_logprobs(self) -> Optional[list[Optional[TokenLogprob]]]:
+        taken, self.prompt_logprobs = self.prompt_logprobs, None
+        return taken
+
+    def scores_prompt(self) -> bool:
+        """Prompt logprobs were asked for and are not sent yet."""
+        return self.prompt_logprobs is not None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Prompt positions seq.length..end-1 prefilled into cache row `row` this step."""
+
+    seq: Sequence
+    row: int
+    end: int
+    last: bool  # the prompt is prefilled to its end: the sequence samples this step
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.seq.length
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one forward pass computes: a token for each of the first `num_decoding` running rows
+    (0..n-1), then the prompt chunks. The rows that sample are the running ones after the plan (the
+    chunks that end their prompt joined them, in row order)."""
+
+    num_decoding: int
+    chunks: list[Chunk]
+
+    @property
+    def samples(self) -> bool:
+        """Some row gets logits: a decoding row or a prompt prefilled to its end."""
+        return self.num_decoding > 0 or any(chunk.last for chunk in self.chunks)
