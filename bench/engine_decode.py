@@ -211,7 +211,7 @@ async def main() -> None:
             rate = await decode_tokens_per_s(engine, prompts, args.tokens, f"b{len(prompts)}")
             step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token
             roofline = batch * bandwidth / step_bytes
-            graph_ms = replay_ms(engine.decode_graphs.graphs[batch][0])  # the engine's own decode step
+            graph_ms = replay_ms(engine.runner.decode_graphs.graphs[batch][0])  # the engine's own decode step
             results.append({"batch": batch, "engine_tok_s": rate, "no_overlap_tok_s": serial_rate,
                             "roofline_tok_s": roofline,
                             "ratio_to_roofline": rate / roofline, "step_ms": 1e3 * batch / rate,

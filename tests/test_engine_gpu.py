@@ -123,8 +123,8 @@ def test_greedy_tokens_equal_the_reference_forward(model_dir: Path, device: str)
     expected = [reference_greedy(weights, config, p, m) for p, m in zip(prompts, max_tokens)]
     assert got == expected
     if device == "cuda":
-        assert engine.decode_graphs is not None
-        assert set(engine.decode_graphs.graphs) == {1, 2, 3}  # every batch bucket, captured at start
+        assert engine.runner.decode_graphs is not None
+        assert set(engine.runner.decode_graphs.graphs) == {1, 2, 3}  # every batch bucket, captured at start
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -14,12 +14,13 @@ from llgtrt_core.engine.sequence import Sequence
 class Harness:
     """A scheduler over a fixed pool of `blocks` usable blocks, recording its callbacks."""
 
-    def __init__(self, slots: int = 4, blocks: int = 16, chunk: int | None = None, max_len: int = 128):
+    def __init__(self, slots: int = 4, blocks: int = 16, chunk: int | None = None, max_len: int = 128,
+                 admission_interval: int = 1):
         self.cache = KVCache(1, slots, 1, 4, max_len, torch.float32, torch.device("cpu"), num_blocks=blocks + 1)
         self.joined: list[tuple[str, int]] = []
         self.moved: list[tuple[int, int]] = []
         self.deltas: dict[str, list[TokenDelta]] = {}
-        self.scheduler = Scheduler(self.cache, chunk, self.prepare, self.on_join, self.moved_row)
+        self.scheduler = Scheduler(self.cache, chunk, admission_interval, self.prepare, self.on_join, self.moved_row)
 
     def prepare(self, seq: Sequence) -> None:
         seq.token_ids = list(seq.request.prompt_token_ids)
@@ -77,9 +78,13 @@ def test_no_free_row_keeps_a_request_waiting():
     h.run_plan()
     assert [s.request_id for s in h.scheduler.running] == ["r0", "r1"]
     assert [s.request_id for s in h.scheduler.waiting] == ["r2"]
-    assert not h.scheduler.admits_next()
+    assert not h.scheduler.admits_next(leaving=0, arrived=False)
+    assert h.scheduler.admits_next(leaving=1, arrived=False)
     h.scheduler.remove(0)
-    assert h.scheduler.admits_next()
+    assert h.scheduler.admits_next(leaving=0, arrived=False)
+    h.run_plan()
+    assert not h.scheduler.admits_next(leaving=1, arrived=False)  # nobody waits
+    assert h.scheduler.admits_next(leaving=1, arrived=True)
 
 
 def test_a_long_prompt_is_prefilled_a_chunk_per_step_in_the_prefill_row():
@@ -90,7 +95,7 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_in_the_prefill_row():
     # The short prompt takes 4 of the 16 tokens; the long one starts in the prefill row.
     assert [(c.seq.request_id, c.row, c.end, c.last) for c in plan.chunks] == [
         ("short", 0, 4, True), ("long", h.cache.prefill_row, 12, False)]
-    assert h.scheduler.prefilling.request_id == "long" and h.scheduler.admits_next()
+    assert h.scheduler.prefilling.request_id == "long" and h.scheduler.admits_next(leaving=0, arrived=False)
     plan = h.run_plan()
     assert plan.num_decoding == 1 and [(c.row, c.end, c.last) for c in plan.chunks] == [(h.cache.prefill_row, 28, False)]
     plan = h.run_plan()
@@ -143,3 +148,18 @@ def test_abort_ends_a_request_wherever_it_is():
     h.scheduler.abort("prefilling")
     assert h.scheduler.idle() and h.cache.free_blocks == 16
     assert [d.finish_reason for d in h.deltas["prefilling"]] == ["abort"]
+
+
+def test_requests_arriving_while_others_decode_are_admitted_together():
+    h = Harness(slots=4, admission_interval=3)
+    h.add("first", 4)
+    assert [c.seq.request_id for c in h.run_plan().chunks] == ["first"]  # nothing decodes: at once
+    h.add("a", 4)
+    assert h.run_plan().chunks == []
+    h.add("b", 4)
+    assert not h.scheduler.admits_next(leaving=0, arrived=False)
+    assert h.run_plan().chunks == []
+    assert h.scheduler.admits_next(leaving=0, arrived=False)
+    assert [c.seq.request_id for c in h.run_plan().chunks] == ["a", "b"]  # a's third step: both
+    h.add("c", 4)
+    assert [c.seq.request_id for c in h.run_plan().chunks] == ["c"]  # it fills the last free row

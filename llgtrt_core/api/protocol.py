@@ -556,6 +556,7 @@ class StepPhaseStats(OpenAIResponseModel):
 class EngineStats(OpenAIResponseModel):
     num_active: int  # engine requests submitted and not yet finished
     num_steps: Optional[int] = None  # the embedded engine's steps so far
+    num_mixed_steps: Optional[int] = None  # of those, steps that decoded and prefilled in one forward pass
     step_phases: dict[str, StepPhaseStats] = {}  # totals per phase of its step loop (llgtrt_core/engine/step_profile.py)
 
 

@@ -35,6 +35,8 @@ def create_engine(
         engine_config = TorchEngineConfig(max_batch_size=runtime.max_batch_size, max_model_len=runtime.max_model_len,
                                           device=runtime.device, dtype=runtime.dtype, cpu_threads=runtime.cpu_threads,
                                           prefill_chunk_tokens=runtime.prefill_chunk_tokens,
+                                          mixed_prefill=runtime.mixed_prefill,
+                                          admission_interval_steps=runtime.admission_interval_steps,
                                           kv_cache_free_gpu_memory_fraction=runtime.kv_cache_free_gpu_mem_fraction,
                                           kv_cache_max_tokens=runtime.kv_cache_max_tokens)
         client = EngineCoreClient(CoreSpec(str(model_dir), engine_config, vocab_size, tuple(eos_token_ids),

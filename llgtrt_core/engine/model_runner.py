@@ -27,8 +27,9 @@ PREFILL_PASS_TOKENS = 8192  # prompt tokens batched into one forward pass (bound
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, device: torch.device,
-                 decode_graphs: Optional[DecodeGraphs]):
+                 decode_graphs: Optional[DecodeGraphs], mixed_prefill: bool = True):
         self.model = model
+        self.mixed_prefill = mixed_prefill
         self.cache = cache
         self.device = device
         self.decode_graphs = decode_graphs
@@ -75,7 +76,7 @@ class ModelRunner:
         """Decode and prefill share one pass: there are prompts, none scores its logprobs (that pass
         projects every position), no row has grammar-forced tokens to feed besides its decode token,
         and the prompts fit one pass."""
-        return (bool(chunks) and not any(c.seq.scores_prompt() for c in chunks)
+        return (self.mixed_prefill and bool(chunks) and not any(c.seq.scores_prompt() for c in chunks)
                 and all(len(seq.pending_tokens) == 1 for seq in batch)
                 and sum(c.num_tokens for c in chunks) <= PREFILL_PASS_TOKENS)
 
