@@ -161,5 +161,6 @@ def test_requests_arriving_while_others_decode_are_admitted_together():
     assert h.run_plan().chunks == []
     assert h.scheduler.admits_next(leaving=0, arrived=False)
     assert [c.seq.request_id for c in h.run_plan().chunks] == ["a", "b"]  # a's third step: both
-    h.add("c", 4)
-    assert [c.seq.request_id for c in h.run_plan().chunks] == ["c"]  # it fills the last free row
+    h.add("c", 4)  # the last free row: it waits its interval too
+    assert h.run_plan().chunks == [] and h.run_plan().chunks == []
+    assert [c.seq.request_id for c in h.run_plan().chunks] == ["c"]

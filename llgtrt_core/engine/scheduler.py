@@ -197,7 +197,7 @@ class Scheduler:
             slot = len(self.running)
             if self.prefilling is not None:
                 seq = self.prefilling
-            elif (self.waiting and slot < self.blocks.num_slots and (chunks or self._admission_due(slot))
+            elif (self.waiting and slot < self.blocks.num_slots and (chunks or self._admission_due())
                   and self._fits(self.waiting[0])):  # once a pass prefills, every prompt that fits joins it
                 seq = self.prefilling = self.waiting.popleft()  # held here: a failed step ends it
                 self._admit(seq)
@@ -218,11 +218,9 @@ class Scheduler:
                 break
         return chunks
 
-    def _admission_due(self, free_from: int) -> bool:
-        """Admit now: nothing decodes, the oldest request waited its interval, or the waiting ones
-        fill every free row (rows from `free_from` on)."""
-        return (not self.running or self._steps - self.waiting[0].queued_step >= self.admission_interval
-                or len(self.waiting) >= self.blocks.num_slots - free_from)
+    def _admission_due(self) -> bool:
+        """Admit now: nothing decodes, or the oldest request waited its interval."""
+        return not self.running or self._steps - self.waiting[0].queued_step >= self.admission_interval
 
     def _fits(self, seq: Sequence) -> bool:
         """Whether the blocks free now hold `seq`'s prompt, with room to spare for each running
