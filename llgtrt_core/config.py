@@ -71,11 +71,6 @@ class RuntimeConfig:
                                                        "longer prompt is prefilled a chunk per step while running "
                                                        "sequences keep decoding. null or 0: whole prompts in one "
                                                        "step. Env LLGTRT_PREFILL_CHUNK_TOKENS.")
-    admission_interval_steps: Optional[int] = option(None, "PyTorch engine: while sequences decode, waiting requests "
-                                                           "are admitted together at most every this many steps (each "
-                                                           "admission is a prefill pass with a fixed cost they then "
-                                                           "share); a request waits at most that long. null: 4 on "
-                                                           "cuda, 1 on cpu.")
     mixed_prefill: bool = option(True, "PyTorch engine: a step that decodes and admits prompts runs both in one "
                                        "forward pass (the weights read once); false: the prompts in a pass of "
                                        "their own, the decode under CUDA graphs.")

@@ -14,13 +14,12 @@ from llgtrt_core.engine.sequence import Sequence
 class Harness:
     """A scheduler over a fixed pool of `blocks` usable blocks, recording its callbacks."""
 
-    def __init__(self, slots: int = 4, blocks: int = 16, chunk: int | None = None, max_len: int = 128,
-                 admission_interval: int = 1):
+    def __init__(self, slots: int = 4, blocks: int = 16, chunk: int | None = None, max_len: int = 128):
         self.cache = KVCache(1, slots, 1, 4, max_len, torch.float32, torch.device("cpu"), num_blocks=blocks + 1)
         self.joined: list[tuple[str, int]] = []
         self.moved: list[tuple[int, int]] = []
         self.deltas: dict[str, list[TokenDelta]] = {}
-        self.scheduler = Scheduler(self.cache, chunk, admission_interval, self.prepare, self.on_join, self.moved_row)
+        self.scheduler = Scheduler(self.cache, chunk, self.prepare, self.on_join, self.moved_row)
 
     def prepare(self, seq: Sequence) -> None:
         seq.token_ids = list(seq.request.prompt_token_ids)
@@ -149,18 +148,3 @@ def test_abort_ends_a_request_wherever_it_is():
     assert h.scheduler.idle() and h.cache.free_blocks == 16
     assert [d.finish_reason for d in h.deltas["prefilling"]] == ["abort"]
 
-
-def test_requests_arriving_while_others_decode_are_admitted_together():
-    h = Harness(slots=4, admission_interval=3)
-    h.add("first", 4)
-    assert [c.seq.request_id for c in h.run_plan().chunks] == ["first"]  # nothing decodes: at once
-    h.add("a", 4)
-    assert h.run_plan().chunks == []
-    h.add("b", 4)
-    assert not h.scheduler.admits_next(leaving=0, arrived=False)
-    assert h.run_plan().chunks == []
-    assert h.scheduler.admits_next(leaving=0, arrived=False)
-    assert [c.seq.request_id for c in h.run_plan().chunks] == ["a", "b"]  # a's third step: both
-    h.add("c", 4)  # the last free row: it waits its interval too
-    assert h.run_plan().chunks == [] and h.run_plan().chunks == []
-    assert [c.seq.request_id for c in h.run_plan().chunks] == ["c"]

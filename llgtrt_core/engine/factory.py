@@ -36,7 +36,6 @@ def create_engine(
                                           device=runtime.device, dtype=runtime.dtype, cpu_threads=runtime.cpu_threads,
                                           prefill_chunk_tokens=runtime.prefill_chunk_tokens,
                                           mixed_prefill=runtime.mixed_prefill,
-                                          admission_interval_steps=runtime.admission_interval_steps,
                                           kv_cache_free_gpu_memory_fraction=runtime.kv_cache_free_gpu_mem_fraction,
                                           kv_cache_max_tokens=runtime.kv_cache_max_tokens)
         client = EngineCoreClient(CoreSpec(str(model_dir), engine_config, vocab_size, tuple(eos_token_ids),

@@ -49,21 +49,15 @@ class Scheduler:
         self,
         blocks: BlockPool,
         prefill_chunk_tokens: Optional[int],
-        admission_interval: int,
         prepare: Callable[[Sequence], None],
         on_join: Callable[[Sequence, int], None],
         on_move: Callable[[int, int], None],
     ):
-        """admission_interval: while sequences decode, waiting requests are admitted together at most
-        every this many steps (a request waits at most that long), unless they fill every free row:
-        each admission costs a prefill pass whose fixed cost they then share.
-        prepare: fills a sequence's prompt state the first time it is admitted (its
+        """prepare: fills a sequence's prompt state the first time it is admitted (its
         prefill_tokens: the prompt, then any tokens its grammar forces before sampling).
         on_join: a sequence starts running in a row. on_move: a running row moved (src, dst)."""
         self.blocks = blocks
         self.prefill_chunk_tokens = prefill_chunk_tokens or None
-        self.admission_interval = max(1, admission_interval)
-        self._steps = 0  # schedule calls
         self._prepare = prepare
         self._on_join = on_join
         self._on_move = on_move
@@ -76,7 +70,6 @@ class Scheduler:
     # ---- queue ---------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        seq.queued_step = self._steps
         self.waiting.append(seq)
 
     def idle(self) -> bool:
@@ -125,7 +118,6 @@ class Scheduler:
 
     def schedule(self) -> Optional[StepPlan]:
         """This step's plan; None when nothing can run (a prompt in progress waits for blocks)."""
-        self._steps += 1
         self._make_room()
         num_decoding = len(self.running)
         chunks = self._plan_prefill()
@@ -141,9 +133,7 @@ class Scheduler:
             return True
         if len(self.running) - leaving >= self.blocks.num_slots:
             return False
-        if not self.waiting:
-            return arrived and self.admission_interval == 1
-        return self._steps + 1 - self.waiting[0].queued_step >= self.admission_interval and self._fits(self.waiting[0])
+        return self._fits(self.waiting[0]) if self.waiting else arrived
 
     def _make_room(self) -> None:
         """Blocks for every position the running rows may write this step: their pending tokens
@@ -172,7 +162,6 @@ class Scheduler:
         seq.length = 0
         if seq.prompt_logprobs is not None:  # its prompt's scoring starts over too
             seq.prompt_logprobs = [None]
-        seq.queued_step = self._steps - self.admission_interval  # due at once
         self.waiting.appendleft(seq)
         if held:  # an admitted prompt still waiting for its first blocks lost nothing
             self.num_preemptions += 1
@@ -197,8 +186,7 @@ class Scheduler:
             slot = len(self.running)
             if self.prefilling is not None:
                 seq = self.prefilling
-            elif (self.waiting and slot < self.blocks.num_slots and (chunks or self._admission_due())
-                  and self._fits(self.waiting[0])):  # once a pass prefills, every prompt that fits joins it
+            elif self.waiting and slot < self.blocks.num_slots and self._fits(self.waiting[0]):
                 seq = self.prefilling = self.waiting.popleft()  # held here: a failed step ends it
                 self._admit(seq)
             else:
@@ -217,10 +205,6 @@ class Scheduler:
                 chunks.append(Chunk(seq, self.blocks.prefill_row, end, last=False))
                 break
         return chunks
-
-    def _admission_due(self) -> bool:
-        """Admit now: nothing decodes, or the oldest request waited its interval."""
-        return not self.running or self._steps - self.waiting[0].queued_step >= self.admission_interval
 
     def _fits(self, seq: Sequence) -> bool:
         """Whether the blocks free now hold `seq`'s prompt, with room to spare for each running

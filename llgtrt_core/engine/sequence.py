@@ -18,7 +18,6 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + emitted tokens, once admitted
     prefill_tokens: list[int] = field(default_factory=list)  # prompt + forced (or emitted) tokens, until prefilled
     admission: int = -1  # when it was last admitted: preemption takes the newest
-    queued_step: int = 0  # the scheduler's step when it was queued (admission waits an interval)
     num_generated: int = 0
     pending_tokens: list[int] = field(default_factory=list)  # sampled (then forced) tokens not in the cache yet
     uncommitted_token: Optional[int] = None  # sampled last step, not yet seen by the constraint

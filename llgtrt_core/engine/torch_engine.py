@@ -76,7 +76,6 @@ class TorchEngineConfig:
     fast_forward: bool = True  # feed the tokens a grammar forces in one forward pass, unsampled
     prefill_chunk_tokens: Optional[int] = None  # prompt tokens prefilled per step; None or 0: whole prompts
     mixed_prefill: bool = True  # decode and the step's prompts in one forward pass (model_runner.py)
-    admission_interval_steps: Optional[int] = None  # see Scheduler; default: 4 on cuda, 1 on cpu
     kv_cache_free_gpu_memory_fraction: float = CUDA_MEMORY_FRACTION  # of the memory free once the weights are loaded
     kv_cache_max_tokens: Optional[int] = None  # caps the KV cache; on cpu it fixes its size (else it grows)
     # Queue the next decode before reading a step's tokens (see the module doc); default: on cuda,
@@ -85,13 +84,6 @@ class TorchEngineConfig:
 
     def resolve_overlap_steps(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.overlap_steps is None else self.overlap_steps
-
-    def resolve_admission_interval(self, device: torch.device) -> int:
-        """On CUDA a prefill pass's launches cost about as much host time as a graph decode step;
-        on CPU the pass's compute dwarfs them and a wait would only add to the first token's time."""
-        if self.admission_interval_steps is not None:
-            return self.admission_interval_steps
-        return 4 if device.type == "cuda" else 1
 
     def resolve_device(self) -> torch.device:
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -179,8 +171,7 @@ class TorchEngine(Engine):
             logger.info("captured %d decode graphs in %.1f s", len(decode_graphs.buckets),
                         time.perf_counter() - started)
         self.runner = ModelRunner(self.model, self.cache, self.device, decode_graphs, self.config.mixed_prefill)
-        self.scheduler = Scheduler(self.cache, self.config.prefill_chunk_tokens,
-                                   self.config.resolve_admission_interval(self.device), self._prepare, self._join,
+        self.scheduler = Scheduler(self.cache, self.config.prefill_chunk_tokens, self._prepare, self._join,
                                    self._move_row)
         self.constraints.start()
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
