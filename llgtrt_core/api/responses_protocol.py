@@ -215,7 +215,7 @@ class ResponsesRequest(OpenAIBaseModel):
             "context_management": bool(self.context_management),
             "max_tool_calls": self.max_tool_calls is not None,
             "truncation": self.truncation == "auto",  # we never drop input to make room
-            "reasoning": self.reasoning is not None and (self.reasoning.effort or self.reasoning.summary) is not None,
+            "reasoning.summary": self.reasoning is not None and self.reasoning.summary is not None,
             "text.verbosity": self.text is not None and self.text.verbosity is not None,
         }
         return [name for name, used in in_use.items() if used]
@@ -255,7 +255,22 @@ class OutputFunctionCall(OpenAIResponseModel):
     status: ItemStatus = "in_progress"
 
 
-OutputItem = Union[OutputMessage, OutputFunctionCall]
+class ReasoningText(OpenAIResponseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str = ""
+
+
+class OutputReasoning(OpenAIResponseModel):
+    """A reasoning model's thinking (docs/reasoning.md), before the message or calls it led to."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: ItemStatus = "in_progress"
+
+
+OutputItem = Union[OutputReasoning, OutputMessage, OutputFunctionCall]
 
 
 class InputTokensDetails(OpenAIResponseModel):
