@@ -25,7 +25,7 @@ ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}}, "requ
 JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
 QUESTION = [{"role": "user", "content": "What is 2+2? Answer in JSON."}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
                                                            "required": ["city"], "additionalProperties": False}}}
 
 
@@ -93,12 +93,12 @@ def test_chat_json_schema_after_thinking(client, thinking) -> None:
 def test_chat_tool_calls_after_thinking(client) -> None:
     question = [{"role": "user", "content": "What is the weather in Paris?"}]
     choice = client.chat.completions.create(model=MODEL, messages=question, tools=[WEATHER], tool_choice="required",
-                                            max_tokens=40, temperature=0, parallel_tool_calls=False).choices[0]
+                                            max_tokens=60, temperature=0, parallel_tool_calls=False).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
     thinking_text, content, calls = _stream_chat(client, messages=question, tools=[WEATHER], tool_choice="required",
-                                                 max_tokens=40, parallel_tool_calls=False)
+                                                 max_tokens=60, parallel_tool_calls=False)
     assert thinking_text == choice.message.reasoning_content and not content
     assert calls == [{"name": "get_weather", "arguments": call.function.arguments}]
 
@@ -148,7 +148,7 @@ def test_responses_reasoning_item_then_the_answer(client) -> None:
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
     assert streamed.output_text == response.output_text
     assert streamed.output[0].content[0].text == reasoning.content[0].text
-    calls = client.responses.create(model=MODEL, input="Weather in Paris?", max_output_tokens=40, temperature=0,
+    calls = client.responses.create(model=MODEL, input="Weather in Paris?", max_output_tokens=60, temperature=0,
                                     tools=[{"type": "function", **WEATHER["function"]}], tool_choice="required")
     assert [item.type for item in calls.output][:2] == ["reasoning", "function_call"]
 
