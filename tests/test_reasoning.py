@@ -125,3 +125,13 @@ def test_split_streamed_as_whole(size) -> None:
     opened = ReasoningSection(SETTINGS, opened_by_prompt=True, budget=64)
     assert _streamed(opened, "\nhm</think>ok", size) == ("\nhm", "ok")
     assert _streamed(section, "<think>cut by max_tokens </thi", size) == ("cut by max_tokens </thi", "")
+
+
+def test_config_bounds() -> None:
+    from llgtrt_core.config import Config, ConfigError
+
+    assert Config.from_mapping({"reasoning": {"start": "<t>", "end": "</t>"}}).reasoning.end == "</t>"
+    with pytest.raises(ConfigError, match="reasoning"):
+        Config.from_mapping({"reasoning": {"end": ""}})
+    with pytest.raises(ConfigError, match="default_max_reasoning_tokens"):
+        Config.from_mapping({"reasoning": {"default_max_reasoning_tokens": 10, "max_reasoning_tokens_limit": 5}})

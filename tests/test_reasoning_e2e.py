@@ -148,6 +148,12 @@ def test_responses_reasoning_item_then_the_answer(client) -> None:
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
     assert streamed.output_text == response.output_text
     assert streamed.output[0].content[0].text == reasoning.content[0].text
+    follow_up = client.responses.create(model=MODEL, previous_response_id=response.id, input="Thanks!",
+                                        max_output_tokens=4)
+    sent_back = client.responses.create(model=MODEL, max_output_tokens=4, input=[
+        {"type": "reasoning", "id": reasoning.id, "summary": [], "content": [reasoning.content[0].model_dump()]},
+        {"role": "user", "content": "Thanks!"}])
+    assert follow_up.status == sent_back.status == "incomplete"  # accepted, and cut at 4 tokens
     calls = client.responses.create(model=MODEL, input="Weather in Paris?", max_output_tokens=60, temperature=0,
                                     tools=[{"type": "function", **WEATHER["function"]}], tool_choice="required")
     assert [item.type for item in calls.output][:2] == ["reasoning", "function_call"]

@@ -36,6 +36,7 @@ from llgtrt_core.api.responses_protocol import (
     OutputMessage,
     OutputReasoning,
     OutputText,
+    ReasoningItem,
     OutputTextLogprob,
     OutputTextPart,
     ReasoningText,
@@ -124,9 +125,7 @@ class ResponsesAPI:
                            param="previous_response_id", code="previous_response_not_found")
         if entry.response.status == "in_progress":
             raise APIError("the previous response is still in progress", param="previous_response_id")
-        # The thinking stays out of the conversation, as chat templates leave it out of past turns.
-        return entry.input_items + [_as_input_item(item) for item in entry.response.output
-                                    if not isinstance(item, OutputReasoning)]
+        return entry.input_items + [_as_input_item(item) for item in entry.response.output]
 
 
 def _not_found(response_id: str) -> APIError:
@@ -174,7 +173,8 @@ class _Params:
             return "text.format"
         if param.startswith("tools[") and ".function" in param:
             return param.replace(".function", "", 1)
-        renamed = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens"}
+        renamed = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+                   "reasoning_effort": "reasoning.effort"}
         return renamed.get(param, param)
 
 
@@ -190,6 +190,8 @@ def _chat_request(request: ResponsesRequest, items: list[InputItem], num_previou
             param = "previous_response_id"
         else:
             param = "input" if isinstance(request.input, str) else f"input[{i - num_previous}]"
+        if isinstance(item, ReasoningItem):
+            continue  # past thinking stays out of the prompt, as chat templates leave it out
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": _text(item.content, f"{param}.content")})
         elif isinstance(item, FunctionCallItem):
@@ -249,7 +251,9 @@ def _response_format(request: ResponsesRequest) -> Optional[dict[str, Any]]:
     return None
 
 
-def _as_input_item(item: Union[OutputMessage, OutputFunctionCall]) -> InputItem:
+def _as_input_item(item: Union[OutputReasoning, OutputMessage, OutputFunctionCall]) -> InputItem:
+    if isinstance(item, OutputReasoning):
+        return ReasoningItem(type="reasoning", id=item.id, content=[c.model_dump() for c in item.content])
     if isinstance(item, OutputMessage):
         return MessageItem(role="assistant", content=[OutputText(type="output_text", text=p.text) for p in item.content])
     return FunctionCallItem(type="function_call", call_id=item.call_id, name=item.name, arguments=item.arguments)
