@@ -4,9 +4,6 @@ tokenizer, and the split of the output into thinking and answer, whole or stream
 
 from __future__ import annotations
 
-import json
-
-import llguidance.hf
 import pytest
 from llguidance import LLMatcher
 
@@ -15,6 +12,7 @@ from llgtrt_core.constraints.request_grammar import json_schema_grammar
 from llgtrt_core.reasoning import (ReasoningSection, ReasoningSettings, detect_markers, prompt_state,
                                    resolve_reasoning)
 from llgtrt_core.tools import HERMES, plan_tools, tool_grammar
+from test_tool_grammar import _accepts, tokenizers  # noqa: F401 (a fixture)
 
 QWEN3 = ("{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and "
          "enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
@@ -51,27 +49,12 @@ def test_prompt_state_from_the_rendered_prompt() -> None:
     assert prompt_state(SETTINGS, "assistant\n<think>\n\n</think>\n\n") is None  # enable_thinking: false
 
 
-@pytest.fixture(scope="module")
-def tokenizers(smollm2_tokenizer_dir):
-    from transformers import AutoTokenizer
-
-    hf = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
-    return hf, llguidance.hf.from_tokenizer(hf)
-
-
 def _consume(tokenizers, grammar: str, text: str) -> LLMatcher:
     hf, ll_tokenizer = tokenizers
     matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
     assert not matcher.is_error(), matcher.get_error()
-    for token in hf.encode(text, add_special_tokens=False):
-        if not matcher.consume_token(token):
-            break
+    assert all(matcher.consume_token(t) for t in hf.encode(text, add_special_tokens=False))
     return matcher
-
-
-def _accepts(tokenizers, grammar: str, text: str) -> bool:
-    matcher = _consume(tokenizers, grammar, text)
-    return not matcher.is_error() and matcher.is_accepting()
 
 
 def test_json_answer_after_free_thinking(tokenizers) -> None:
