@@ -11,7 +11,6 @@ from fastapi.responses import Response
 from llgtrt_core.api.generation import ChoiceResult, ChoiceUpdate, close_quietly
 from llgtrt_core.api.logprobs import chat_logprobs
 from llgtrt_core.api.prompts import chat_prompt_ids
-from llgtrt_core.api.reasoning import request_section, with_template_switch, with_thinking
 from llgtrt_core.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -24,6 +23,7 @@ from llgtrt_core.api.protocol import (
     now,
     random_id,
 )
+from llgtrt_core.api.reasoning import request_section, with_template_switch, with_thinking
 from llgtrt_core.api.sampling import check_request
 from llgtrt_core.api.serving import DoneTerminatedWriter, Generation, completion_tokens, serve
 from llgtrt_core.api.streaming import TEXT_PLACEHOLDER, TextEvents, sse_event
