@@ -34,6 +34,7 @@ from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
 from llgtrt_core.engine.factory import create_engine
 from llgtrt_core.runtime import ModelRuntime
 from llgtrt_core.tokenizer import Tokenizer
+from llgtrt_core.reasoning import resolve_reasoning
 from llgtrt_core.tools import detect_tool_format
 
 logger = logging.getLogger("llgtrt")
@@ -117,8 +118,11 @@ class LLM:
             name = CONFIG.model.served_model_name or stored.tag.name
             template = tokenizer.chat_template.source if tokenizer.chat_template else None
             tool_format = detect_tool_format(template, CONFIG.tokenizer.tool_format)
+            thinking = CONFIG.reasoning
+            reasoning = resolve_reasoning(template, thinking.enabled, thinking.start, thinking.end,
+                                          thinking.default_max_reasoning_tokens, thinking.max_reasoning_tokens_limit)
             self.runtime = ModelRuntime(model_name=name, tokenizer=tokenizer, engine=engine, tool_format=tool_format,
-                                        grammars=grammars, limits=CONFIG.server)
+                                        grammars=grammars, limits=CONFIG.server, reasoning=reasoning)
             logger.info("serving %s (%s) with the %s engine", name, stored.tag, metadata.get("engine"))
         except Exception:
             logger.exception("loading the model failed; /readyz stays 503")

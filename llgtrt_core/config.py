@@ -153,6 +153,28 @@ class LlguidanceConfig:
 
 
 @dataclass(frozen=True)
+class ReasoningConfig:
+    """Models that think before they answer (docs/reasoning.md): the thinking section's markers and budget."""
+
+    enabled: Optional[bool] = option(None, "Give every chat, completion, Responses and Messages answer a thinking "
+                                           "section first; null: when the markers are set or the chat template is "
+                                           "of a known reasoning family (Qwen3, DeepSeek-R1, gpt-oss).")
+    start: Optional[str] = option(None, "The marker opening the thinking (text; an added token by its text, "
+                                        "e.g. \"<think>\"); null: the chat template's family's.")
+    end: Optional[str] = option(None, "The marker closing the thinking; null: the chat template's family's.")
+    default_max_reasoning_tokens: int = option(1024, "Thinking tokens of a request that names no "
+                                                     "max_reasoning_tokens; past them the end marker is forced.")
+    max_reasoning_tokens_limit: int = option(32768, "The largest max_reasoning_tokens a request may ask for.")
+
+    def __post_init__(self) -> None:
+        if self.start == "" or self.end == "":
+            raise ConfigError("config keys 'reasoning.start' and 'reasoning.end' must not be empty")
+        if self.default_max_reasoning_tokens > self.max_reasoning_tokens_limit:
+            raise ConfigError("config key 'reasoning.default_max_reasoning_tokens' must not exceed "
+                              "'reasoning.max_reasoning_tokens_limit'")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     api_key: Optional[str] = option(None, "When set, /v1/* and /generate require `Authorization: Bearer "
                                           "<api_key>`. Env LLGTRT_API_KEY.")
@@ -185,6 +207,7 @@ class Config:
     runtime: RuntimeConfig = option(RuntimeConfig(), "The engine: batching, token budget, KV cache, device.")
     tokenizer: TokenizerConfig = option(TokenizerConfig(), "Tokenizer and chat template overrides.")
     llguidance: LlguidanceConfig = option(LlguidanceConfig(), "Structured output (llguidance).")
+    reasoning: ReasoningConfig = option(ReasoningConfig(), "Reasoning models: the thinking section.")
     server: ServerConfig = option(ServerConfig(), "HTTP: authentication, request limits, CORS, stored responses.")
 
     @property

@@ -114,7 +114,7 @@ def test_print_config_comments_every_option_and_comments_out_defaults() -> None:
     assert result.returncode == 0, result.stderr
     text = result.stdout
     assert json5.loads(text) == {s: LLGUIDANCE_SECTIONS if s == "llguidance" else {} for s in
-                                 ("model", "runtime", "tokenizer", "llguidance", "server")}  # all at default
+                                 ("model", "runtime", "tokenizer", "llguidance", "reasoning", "server")}  # all at default
     assert Config.from_mapping(json5.loads(_uncommented(text))) == Config()  # and those defaults are ours
     lines = text.splitlines()
     options = [i for i, line in enumerate(lines) if line.strip().startswith(('"', '// "'))]
@@ -127,7 +127,8 @@ def test_print_config_shows_what_was_set_uncommented(tmp_path: Path) -> None:
     path = write(tmp_path / "c.json5", "{server: {max_queued_requests: 3}, llguidance: {log_level: 1}}")
     text = render(load_config([path], env={}))
     assert '\n    "max_queued_requests": 3,' in text and '// "max_queued_requests"' not in text
-    assert json5.loads(text) == {"model": {}, "runtime": {}, "tokenizer": {}, "server": {"max_queued_requests": 3},
+    assert json5.loads(text) == {"model": {}, "runtime": {}, "tokenizer": {}, "reasoning": {},
+                                 "server": {"max_queued_requests": 3},
                                  "llguidance": {**LLGUIDANCE_SECTIONS, "log_level": 1}}
 
 

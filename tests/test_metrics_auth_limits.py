@@ -66,6 +66,19 @@ def test_the_openai_client_sends_the_key(prod: BentoServer) -> None:
         openai.OpenAI(base_url=f"{prod.url}/v1", api_key="wrong", max_retries=0).models.list()
 
 
+def test_the_anthropic_client_sends_the_key(prod: BentoServer) -> None:
+    import anthropic
+
+    assert httpx.get(f"{prod.url}/v1/models", headers={"x-api-key": API_KEY}, timeout=10).status_code == 200
+    client = anthropic.Anthropic(base_url=prod.url, api_key=API_KEY, max_retries=0)  # as x-api-key
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(anthropic.BadRequestError, match="chat template"):  # past the key: this server's template
+        client.messages.count_tokens(model="smollm2-135m-instruct", messages=messages)
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=prod.url, api_key="wrong", max_retries=0).messages.count_tokens(
+            model="smollm2-135m-instruct", messages=messages)
+
+
 def test_a_body_past_the_limit_gets_413(prod: BentoServer) -> None:
     big = completion("hello " * (MAX_REQUEST_BYTES // 6 + 10))
     response = httpx.post(f"{prod.url}/v1/completions", json=big, headers=AUTH, timeout=10)

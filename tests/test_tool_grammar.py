@@ -15,7 +15,7 @@ from prometheus_client import REGISTRY
 from llgtrt_core.api.tool_calls import compile_tool_grammar
 from llgtrt_core.constraints import GrammarCompiler, GrammarRequestError, request_grammar
 from llgtrt_core.tools import GENERIC_JSON, HERMES, LLAMA3_JSON, MISTRAL, ToolFormat, plan_tools, tool_grammar
-from llgtrt_core.tools.grammar import literal
+from llgtrt_core.constraints.lark_parts import literal
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

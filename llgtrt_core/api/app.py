@@ -12,6 +12,8 @@ from starlette.types import Scope
 from llgtrt_core.api.chat import create_chat_completion
 from llgtrt_core.api.completions import create_completion
 from llgtrt_core.api.errors import APIError, install_error_handlers
+from llgtrt_core.api.messages import count_tokens, create_message
+from llgtrt_core.api.messages_protocol import MessageObject, TokenCount
 from llgtrt_core.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -40,7 +42,7 @@ API_PREFIX = "/v1"  # where the service mounts this app
 # admits them (429, one place per sequence) and drains them on shutdown, and tracing skips them
 # (service.py). A new generating route is one more entry; one left out fails on its first request.
 GENERATION_PATHS = frozenset({f"{API_PREFIX}/chat/completions", f"{API_PREFIX}/completions", f"{API_PREFIX}/responses",
-                              "/generate"})
+                              f"{API_PREFIX}/messages", "/generate"})
 
 
 def is_protected(path: str) -> bool:
@@ -77,6 +79,15 @@ def create_app(get_runtime: Callable[[], Optional[ModelRuntime]], config: Server
     async def create_response(request: ResponsesRequest, raw_request: Request,
                               loaded: ModelRuntime = Depends(runtime)) -> Response:
         return await responses_api.create(request, loaded, raw_request)
+
+    # Anthropic's Messages API: the body is parsed in the handler, so that every error has Anthropic's shape.
+    @app.post("/messages", response_model=MessageObject)
+    async def messages(raw_request: Request) -> Response:
+        return await create_message(raw_request, runtime)
+
+    @app.post("/messages/count_tokens", response_model=TokenCount)
+    async def messages_count_tokens(raw_request: Request) -> Response:
+        return await count_tokens(raw_request, runtime)
 
     @app.get("/responses/{response_id}", response_model=ResponseObject)
     async def retrieve_response(response_id: str) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Optional API key: when configured, every protected route needs `Authorization: Bearer <key>` (api/gate.py).
+"""Optional API key: when configured, every protected route needs `Authorization: Bearer <key>` (api/gate.py),
+or `x-api-key: <key>` as the `anthropic` client sends it.
 
 A pure ASGI middleware (not BaseHTTPMiddleware) so streamed responses and disconnects pass through
 untouched. A wrong or missing key gets OpenAI's 401 body (code `invalid_api_key`).
@@ -20,6 +21,7 @@ class BearerAuth:
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._authorized(scope):
@@ -32,6 +34,8 @@ class BearerAuth:
         await response(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-        return hmac.compare_digest(given, self.expected)  # constant time: no key guessing by timing
+        bearer = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        key = next((value for name, value in scope["headers"] if name == b"x-api-key"), b"")
+        # Constant time, both compared: no key guessing by timing.
+        return hmac.compare_digest(bearer, self.expected) | hmac.compare_digest(key, self.key)
 

@@ -23,23 +23,26 @@ from llgtrt_core.api.protocol import (
     now,
     random_id,
 )
+from llgtrt_core.api.reasoning import request_section, with_template_switch, with_thinking
 from llgtrt_core.api.sampling import check_request
 from llgtrt_core.api.serving import DoneTerminatedWriter, Generation, completion_tokens, serve
 from llgtrt_core.api.streaming import TEXT_PLACEHOLDER, TextEvents, sse_event
 from llgtrt_core.api.tool_calls import ChoiceToolOutput, keeps_special_tokens, request_tool_plan, tool_constraint
 from llgtrt_core.constraints.request_grammar import RequestGrammar
+from llgtrt_core.reasoning import ReasoningSection, ReasoningSplitter
 from llgtrt_core.runtime import ModelRuntime
 from llgtrt_core.tools import ToolFormat, ToolPlan
 
 
 @dataclass(frozen=True)
 class ChatPlan:
-    """A chat request ready to start: its prompt, tools and the grammar that replaces its own."""
+    """A chat request ready to start: its prompt, tools, thinking section and the grammar that replaces its own."""
 
     request: ChatCompletionRequest
     prompt_ids: list[int]
     tools: Optional[ToolPlan]
     grammar: Optional[RequestGrammar]
+    reasoning: Optional[ReasoningSection] = None
 
     @property
     def parses_calls(self) -> bool:
@@ -54,16 +57,22 @@ class ChatPlan:
         """Per choice, the parser of its tool calls (None: plain text)."""
         return [ChoiceToolOutput(self.tools) if self.parses_calls else None for _ in range(self.request.n)]
 
+    def splitters(self) -> list[Optional[ReasoningSplitter]]:
+        """Per choice, the splitter of its thinking from its answer (None: no thinking section)."""
+        return [self.reasoning.splitter() if self.reasoning else None for _ in range(self.request.n)]
+
 
 async def plan_chat(request: ChatCompletionRequest, runtime: ModelRuntime) -> ChatPlan:
     """Validate a chat request (400 naming the field) and render its prompt: chat and responses share it."""
     check_request(request, runtime)
+    request = with_template_switch(request)
     tools = request_tool_plan(request, runtime)
     prompt_ids = await chat_prompt_ids(request, runtime, tools)
-    grammar = await tool_constraint(tools, request, runtime)
+    reasoning = request_section(request, runtime, [prompt_ids], "messages")
+    grammar = with_thinking(reasoning, await tool_constraint(tools, request, runtime), request, runtime)
     if keeps_special_tokens(tools, runtime.tokenizer):
         request = request.model_copy(update={"skip_special_tokens": False})
-    return ChatPlan(request, prompt_ids, tools, grammar)
+    return ChatPlan(request, prompt_ids, tools, grammar, reasoning)
 
 
 async def create_chat_completion(request: ChatCompletionRequest, runtime: ModelRuntime, raw_request: Request) -> Response:
@@ -78,14 +87,15 @@ class _ChatWriter(DoneTerminatedWriter):
         self.plan = plan
         self.runtime = runtime
         self.outputs = plan.tool_outputs()
+        self.splitters = plan.splitters()
 
     def body(self, generation: Generation, results: list[ChoiceResult]) -> dict[str, Any]:
-        outputs, runtime = self.outputs, self.runtime
+        outputs, splitters, runtime = self.outputs, self.splitters, self.runtime
         return ChatCompletionResponse(
             id=generation.response_id,
             model=runtime.model_name,
             choices=[
-                ChatCompletionResponseChoice(index=i, message=_message(outputs[i], r.text),
+                ChatCompletionResponseChoice(index=i, message=_message(outputs[i], splitters[i], r.text),
                                              finish_reason=_finish_reason(outputs[i], r.finish_reason),
                                              logprobs=chat_logprobs(runtime, r.token_ids, r.logprobs))
                 for i, r in enumerate(results)
@@ -96,18 +106,24 @@ class _ChatWriter(DoneTerminatedWriter):
     def events(self, generation: Generation) -> AsyncIterator[str]:
         options = self.plan.request.stream_options
         include_usage = options is not None and options.include_usage
-        return _stream(generation.updates, generation.response_id, self.runtime, self.outputs,
+        return _stream(generation.updates, generation.response_id, self.runtime, self.outputs, self.splitters,
                        generation.prompt_tokens, include_usage)
 
 
-def _message(tools: Optional[ChoiceToolOutput], text: str) -> ChatMessage:
-    return ChatMessage(content=text) if tools is None else tools.message(text)
+def _message(tools: Optional[ChoiceToolOutput], splitter: Optional[ReasoningSplitter], text: str) -> ChatMessage:
+    thinking, text = splitter.split(text) if splitter is not None else (None, text)
+    message = ChatMessage(content=text) if tools is None else tools.message(text)
+    message.reasoning_content = thinking
+    return message
 
 
-def _delta(tools: Optional[ChoiceToolOutput], update: ChoiceUpdate) -> DeltaMessage:
-    if tools is None:
-        return DeltaMessage(content=update.text or None)
-    return tools.delta(update.text, finished=update.finish_reason is not None)
+def _delta(tools: Optional[ChoiceToolOutput], splitter: Optional[ReasoningSplitter], update: ChoiceUpdate
+           ) -> DeltaMessage:
+    finished = update.finish_reason is not None
+    thinking, text = splitter.feed(update.text, finished) if splitter is not None else ("", update.text)
+    delta = DeltaMessage(content=text or None) if tools is None else tools.delta(text, finished=finished)
+    delta.reasoning_content = thinking or None
+    return delta
 
 
 def _finish_reason(tools: Optional[ChoiceToolOutput], finish_reason: Optional[str]) -> Optional[str]:
@@ -115,9 +131,9 @@ def _finish_reason(tools: Optional[ChoiceToolOutput], finish_reason: Optional[st
 
 
 async def _stream(updates: AsyncIterator[ChoiceUpdate], response_id: str, runtime: ModelRuntime,
-                  tools: list[Optional[ChoiceToolOutput]], prompt_tokens: int, include_usage: bool
-                  ) -> AsyncIterator[str]:
-    """`tools[i]` parses choice i's calls (None: plain text)."""
+                  tools: list[Optional[ChoiceToolOutput]], splitters: list[Optional[ReasoningSplitter]],
+                  prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+    """`tools[i]` parses choice i's calls (None: plain text); `splitters[i]` its thinking (None: none)."""
     created = now()
     num_choices = len(tools)
     model = runtime.model_name
@@ -136,15 +152,15 @@ async def _stream(updates: AsyncIterator[ChoiceUpdate], response_id: str, runtim
                 index=index, delta=DeltaMessage(role="assistant", content=""))]))
         async for update in updates:
             completion_tokens[update.index] = update.num_generated_tokens
-            if (tools[update.index] is None and update.text and update.logprobs is None
-                    and update.finish_reason is None):
+            if (tools[update.index] is None and splitters[update.index] is None and update.text
+                    and update.logprobs is None and update.finish_reason is None):
                 yield text_events[update.index](update.text)
                 continue
-            delta = _delta(tools[update.index], update)
+            delta = _delta(tools[update.index], splitters[update.index], update)
             logprobs = chat_logprobs(runtime, update.token_ids, update.logprobs)
             finish_reason = _finish_reason(tools[update.index], update.finish_reason)
             if delta.is_empty() and logprobs is None and finish_reason is None:
-                continue  # tool-call markup only: nothing to tell the client yet
+                continue  # tool-call markup or a marker only: nothing to tell the client yet
             yield sse_event(chunk([ChatCompletionResponseStreamChoice(
                 index=update.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)]))
         if include_usage:

@@ -21,16 +21,22 @@ from llgtrt_core.api.protocol import (
     now,
     random_id,
 )
+from llgtrt_core.api.reasoning import request_section, with_thinking
 from llgtrt_core.api.sampling import check_request
 from llgtrt_core.api.serving import DoneTerminatedWriter, Generation, completion_tokens, serve, start_generation
 from llgtrt_core.api.streaming import TEXT_PLACEHOLDER, TextEvents, sse_event
+from llgtrt_core.constraints.request_grammar import RequestGrammar
 from llgtrt_core.engine.interface import TokenLogprob
 from llgtrt_core.runtime import ModelRuntime
 
 
-async def _prompts(request: CompletionRequest, runtime: ModelRuntime) -> list[list[int]]:
+async def _prompts(request: CompletionRequest, runtime: ModelRuntime
+                   ) -> tuple[list[list[int]], Optional[RequestGrammar]]:
+    """The prompts, and the grammar of a thinking section before the answer (None: the request's own
+    constraint, if any). The text comes back whole, thinking and markers included (docs/reasoning.md)."""
     check_request(request, runtime)
-    return await completion_prompt_ids(request, runtime.tokenizer, runtime.tokenizer.vocab_size)
+    prompts = await completion_prompt_ids(request, runtime.tokenizer, runtime.tokenizer.vocab_size)
+    return prompts, with_thinking(request_section(request, runtime, prompts, "prompt"), None, request, runtime)
 
 
 async def completion_text(request: CompletionRequest, runtime: ModelRuntime) -> AsyncIterator[str]:
@@ -40,7 +46,8 @@ async def completion_text(request: CompletionRequest, runtime: ModelRuntime) -> 
     """
     if request.num_candidates > request.n:  # choosing the best needs whole candidates
         raise APIError("best_of greater than n is not available here; use /v1/completions", param="best_of")
-    generation = await start_generation(request, runtime, await _prompts(request, runtime), random_id("cmpl"))
+    prompts, grammar = await _prompts(request, runtime)
+    generation = await start_generation(request, runtime, prompts, random_id("cmpl"), grammar)
     try:
         async for update in generation.updates:
             if update.text:
@@ -85,8 +92,9 @@ def _best_candidates(results: list[ChoiceResult], request: CompletionRequest) ->
 
 
 async def create_completion(request: CompletionRequest, runtime: ModelRuntime, raw_request: Request) -> Response:
-    return await serve(raw_request, runtime, request, await _prompts(request, runtime), random_id("cmpl"),
-                       _CompletionWriter(request, runtime), stream=request.stream)
+    prompts, grammar = await _prompts(request, runtime)
+    return await serve(raw_request, runtime, request, prompts, random_id("cmpl"), _CompletionWriter(request, runtime),
+                       stream=request.stream, grammar=grammar)
 
 
 class _CompletionWriter(DoneTerminatedWriter):

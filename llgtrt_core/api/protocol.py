@@ -152,6 +152,8 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: StrictBool = True
     # Which distribution logprobs report: the model's (raw) or the sampled-from one (docs/sampling.md).
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    # Reasoning models: thinking tokens before the answer (docs/reasoning.md); 0: none; null: the server's default.
+    max_reasoning_tokens: Optional[int] = Field(default=None, ge=0)
     # Constrained requests: steer a looping answer out of its loop (docs/sampling.md); null: the server's default.
     loop_guard: Optional[StrictBool] = None
     # llama.cpp's DRY sampler (docs/sampling.md); off while dry_multiplier is 0.
@@ -350,7 +352,6 @@ class ChatCompletionRequest(SamplingFields, ConstraintFields):
             "audio": self.audio is not None,
             "modalities": self.modalities not in (None, ["text"]),
             "prediction": self.prediction is not None,
-            "reasoning_effort": self.reasoning_effort is not None,
             "verbosity": self.verbosity is not None,
             "web_search_options": self.web_search_options is not None,
             "moderation": self.moderation is not None,
@@ -438,6 +439,7 @@ class CompletionLogprobs(OpenAIResponseModel):
 class ChatMessage(OpenAIResponseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None  # vLLM's: the thinking of a reasoning model (docs/reasoning.md)
     refusal: Optional[str] = None
     tool_calls: Optional[list[ChatCompletionMessageToolCall]] = None
     function_call: Optional[FunctionCall] = None  # legacy `functions` requests
@@ -482,12 +484,14 @@ class DeltaToolCall(OpenAIDeltaModel):
 class DeltaMessage(OpenAIDeltaModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
     function_call: Optional[DeltaFunctionCall] = None  # legacy `functions` requests
 
     def is_empty(self) -> bool:
         """Nothing to send (checked per streamed chunk: cheaper than dumping the model)."""
-        return self.role is None and self.content is None and self.tool_calls is None and self.function_call is None
+        return (self.role is None and self.content is None and self.reasoning_content is None
+                and self.tool_calls is None and self.function_call is None)
 
 
 class ChatCompletionResponseStreamChoice(OpenAIResponseModel):

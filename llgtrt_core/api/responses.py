@@ -34,9 +34,12 @@ from llgtrt_core.api.responses_protocol import (
     Unsupported,
     OutputFunctionCall,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    ReasoningItem,
     OutputTextLogprob,
     OutputTextPart,
+    ReasoningText,
     Refusal,
     ResponseDeleted,
     ResponseError,
@@ -49,6 +52,7 @@ from llgtrt_core.api.responses_protocol import (
 )
 from llgtrt_core.api.serving import Generation, GenerationStopped, completion_tokens, serve
 from llgtrt_core.api.tool_calls import ChoiceToolOutput
+from llgtrt_core.reasoning import ReasoningSplitter
 from llgtrt_core.runtime import ModelRuntime
 from llgtrt_core.tools import ArgumentsDelta, CallStart, ContentDelta
 
@@ -169,7 +173,8 @@ class _Params:
             return "text.format"
         if param.startswith("tools[") and ".function" in param:
             return param.replace(".function", "", 1)
-        renamed = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens"}
+        renamed = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+                   "reasoning_effort": "reasoning.effort"}
         return renamed.get(param, param)
 
 
@@ -185,6 +190,8 @@ def _chat_request(request: ResponsesRequest, items: list[InputItem], num_previou
             param = "previous_response_id"
         else:
             param = "input" if isinstance(request.input, str) else f"input[{i - num_previous}]"
+        if isinstance(item, ReasoningItem):
+            continue  # past thinking stays out of the prompt, as chat templates leave it out
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": _text(item.content, f"{param}.content")})
         elif isinstance(item, FunctionCallItem):
@@ -215,6 +222,7 @@ def _chat_request(request: ResponsesRequest, items: list[InputItem], num_previou
                      if isinstance(request.tool_choice, ToolChoiceFunction) else request.tool_choice),
         parallel_tool_calls=request.parallel_tool_calls,
         response_format=_response_format(request),
+        reasoning_effort=request.reasoning.effort if request.reasoning is not None else None,
         user=request.user,
         stream=request.stream,
     )
@@ -243,7 +251,9 @@ def _response_format(request: ResponsesRequest) -> Optional[dict[str, Any]]:
     return None
 
 
-def _as_input_item(item: Union[OutputMessage, OutputFunctionCall]) -> InputItem:
+def _as_input_item(item: Union[OutputReasoning, OutputMessage, OutputFunctionCall]) -> InputItem:
+    if isinstance(item, OutputReasoning):
+        return ReasoningItem(type="reasoning", id=item.id, content=[c.model_dump() for c in item.content])
     if isinstance(item, OutputMessage):
         return MessageItem(role="assistant", content=[OutputText(type="output_text", text=p.text) for p in item.content])
     return FunctionCallItem(type="function_call", call_id=item.call_id, name=item.name, arguments=item.arguments)
@@ -274,18 +284,25 @@ class _OutputBuilder:
     the first text, a function_call item on each call; the previous item closes when another opens.
     """
 
-    def __init__(self, response: ResponseObject, tools: Optional[ChoiceToolOutput]):
+    def __init__(self, response: ResponseObject, tools: Optional[ChoiceToolOutput],
+                 splitter: Optional[ReasoningSplitter] = None):
         self.response = response
         self.tools = tools
+        self.splitter = splitter
+        self._reasoning: Optional[OutputReasoning] = None
         self._message: Optional[OutputMessage] = None
         self._call: Optional[OutputFunctionCall] = None
 
     def feed(self, text: str, finished: bool, logprobs: list[OutputTextLogprob]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self.splitter is not None:
+            thinking, text = self.splitter.feed(text, finished)
+            if thinking:
+                events += self._thinking(thinking)
         if self.tools is None:
             parsed = [ContentDelta(text)] if text else []
         else:
             parsed = self.tools.events(text, finished)
-        events: list[dict[str, Any]] = []
         for event in parsed:
             if isinstance(event, ContentDelta) and event.text:
                 events += self._text(event.text, logprobs)
@@ -305,6 +322,13 @@ class _OutputBuilder:
     def close(self, status: str) -> list[dict[str, Any]]:
         """Close the open item (if any) with `status`."""
         events: list[dict[str, Any]] = []
+        if self._reasoning is not None:
+            item, text = self._reasoning, self._reasoning.content[0].text
+            events.append({"type": "response.reasoning_text.done", "item_id": item.id, "output_index": self._index(),
+                           "content_index": 0, "text": text})
+            item.status = status  # type: ignore[assignment]
+            events.append({"type": "response.output_item.done", "output_index": self._index(), "item": item.model_dump()})
+            self._reasoning = None
         if self._message is not None:
             item, part = self._message, self._message.content[0]
             base = {"item_id": item.id, "output_index": self._index(), "content_index": 0}
@@ -326,9 +350,19 @@ class _OutputBuilder:
     def _index(self) -> int:
         return len(self.response.output) - 1  # the open item is the last one
 
-    def _added(self, item: Union[OutputMessage, OutputFunctionCall]) -> dict[str, Any]:
+    def _added(self, item: Union[OutputReasoning, OutputMessage, OutputFunctionCall]) -> dict[str, Any]:
         self.response.output.append(item)
         return {"type": "response.output_item.added", "output_index": self._index(), "item": item.model_dump()}
+
+    def _thinking(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self._reasoning is None:
+            self._reasoning = OutputReasoning(id=new_id("rs"), content=[ReasoningText()])
+            events.append(self._added(self._reasoning))
+        self._reasoning.content[0].text += text
+        events.append({"type": "response.reasoning_text.delta", "item_id": self._reasoning.id,
+                       "output_index": self._index(), "content_index": 0, "delta": text})
+        return events
 
     def _text(self, text: str, logprobs: list[OutputTextLogprob]) -> list[dict[str, Any]]:
         events = []
@@ -358,7 +392,7 @@ class _ResponsesWriter:
         self.response = response
         self.store = store
         self.entry = entry
-        self.output = _OutputBuilder(response, plan.tool_outputs()[0])
+        self.output = _OutputBuilder(response, plan.tool_outputs()[0], plan.splitters()[0])
         self._sequence_number = 0
 
     def body(self, generation: Generation, results: list[ChoiceResult]) -> dict[str, Any]:

@@ -48,7 +48,7 @@ class Refusal(OpenAIBaseModel):
 
 class Unsupported(BaseModel):
     """Any input part, item, tool or tool choice of a type this server does not serve (images, files,
-    audio; reasoning items, item references; hosted tools such as web_search; allowed_tools, mcp):
+    audio; item references; hosted tools such as web_search; allowed_tools, mcp):
     parsed only so that the 400 can name it and its type."""
 
     model_config = ConfigDict(extra="allow")
@@ -91,10 +91,23 @@ class FunctionCallOutputItem(OpenAIBaseModel):
     status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
 
 
+class ReasoningItem(OpenAIBaseModel):
+    """A reasoning output item sent back as input: accepted, and left out of the prompt (docs/reasoning.md)."""
+
+    type: Literal["reasoning"]
+    id: Optional[str] = None
+    summary: list[Any] = Field(default_factory=list)
+    content: Optional[list[Any]] = None
+    encrypted_content: Optional[str] = None
+    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+
+
 InputItem = Annotated[
     Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
-          Annotated[FunctionCallOutputItem, Tag("function_call_output")], Annotated[Unsupported, Tag("other")]],
-    Discriminator(lambda v: _kind(v, ("message", "function_call", "function_call_output"), default="message")),
+          Annotated[FunctionCallOutputItem, Tag("function_call_output")], Annotated[ReasoningItem, Tag("reasoning")],
+          Annotated[Unsupported, Tag("other")]],
+    Discriminator(lambda v: _kind(v, ("message", "function_call", "function_call_output", "reasoning"),
+                                  default="message")),
 ]
 
 
@@ -215,7 +228,7 @@ class ResponsesRequest(OpenAIBaseModel):
             "context_management": bool(self.context_management),
             "max_tool_calls": self.max_tool_calls is not None,
             "truncation": self.truncation == "auto",  # we never drop input to make room
-            "reasoning": self.reasoning is not None and (self.reasoning.effort or self.reasoning.summary) is not None,
+            "reasoning.summary": self.reasoning is not None and self.reasoning.summary is not None,
             "text.verbosity": self.text is not None and self.text.verbosity is not None,
         }
         return [name for name, used in in_use.items() if used]
@@ -255,7 +268,22 @@ class OutputFunctionCall(OpenAIResponseModel):
     status: ItemStatus = "in_progress"
 
 
-OutputItem = Union[OutputMessage, OutputFunctionCall]
+class ReasoningText(OpenAIResponseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str = ""
+
+
+class OutputReasoning(OpenAIResponseModel):
+    """A reasoning model's thinking (docs/reasoning.md), before the message or calls it led to."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: ItemStatus = "in_progress"
+
+
+OutputItem = Union[OutputReasoning, OutputMessage, OutputFunctionCall]
 
 
 class InputTokensDetails(OpenAIResponseModel):

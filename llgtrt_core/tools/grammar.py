@@ -18,6 +18,7 @@ from typing import Any, Mapping, Optional
 
 from llguidance import LLMatcher
 
+from llgtrt_core.constraints.lark_parts import literal, named_subgrammars
 from llgtrt_core.tools.formats import ToolFormat
 from llgtrt_core.tools.spec import ToolPlan, ToolSpec, ToolRequestError
 
@@ -25,19 +26,6 @@ ARGUMENTS_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "k
 _ANSWER = "tool_answer"
 _FREE_TEXT = "TOOL_FREE_TEXT: /(.|\\n)*/"
 _FREE_TEXT_NO_BRACE = "TOOL_FREE_TEXT: /([^{](.|\\n)*)?/"  # bare-JSON families: `{` starts a call
-
-
-def literal(text: str, added_tokens: Mapping[str, int]) -> str:
-    """Lark for `text`, with the tokenizer's added tokens (`<tool_call>`, ...) as token references."""
-    if not text:
-        return ""
-    for token, token_id in sorted(added_tokens.items(), key=lambda item: -len(item[0])):
-        at = text.find(token)
-        if token and at >= 0:
-            parts = [literal(text[:at], added_tokens), f"<[{token_id}]>",
-                     literal(text[at + len(token):], added_tokens)]
-            return " ".join(p for p in parts if p)
-    return json.dumps(text)
 
 
 def arguments_grammar(tool: ToolSpec) -> dict[str, Any]:
@@ -66,7 +54,7 @@ def tool_grammar(plan: ToolPlan, added_tokens: Mapping[str, int], answer_grammar
         rules.insert(0, "start: tool_runs" if fmt.bare_json_start else f"start: {trigger} tool_runs")
     elif answer_grammar is not None:
         rules.insert(0, f"start: @{_ANSWER} | {trigger} tool_runs")
-        subgrammars.extend(_named_subgrammars(answer_grammar, _ANSWER))
+        subgrammars.extend(named_subgrammars(answer_grammar, _ANSWER))
     else:
         rules[:0] = _auto_start(fmt, trigger)
     lark = "%llguidance {}\n" + "\n".join(rules) + "\n"
@@ -100,12 +88,3 @@ def _auto_start(fmt: ToolFormat, trigger: str) -> list[str]:
     else:
         rules.append(_FREE_TEXT)
     return rules
-
-
-def _named_subgrammars(grammar: str, name: str) -> list[dict[str, Any]]:
-    """Another grammar (llguidance JSON or Lark text) as sub-grammars, its top one called `name`."""
-    if not grammar.lstrip().startswith("{"):
-        return [{"name": name, "lark_grammar": grammar}]
-    grammars = [{k: v for k, v in g.items() if v is not None} for g in json.loads(grammar)["grammars"]]
-    grammars[0]["name"] = name
-    return grammars
