@@ -25,10 +25,21 @@ EOS = frozenset({2})  # <|im_end|> of SmolLM2
 QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.", "Explain how a bicycle works.")
 STEPS = 24
 TOP_K = 5
-# float32 vs int8: top-5 logprobs differ by <= ~0.2 nats on these prompts (docs/benchmarks/cpu.md);
-# the corrupted packing below moves them by whole nats.
-LOGPROB_TOLERANCE = 0.5
+# Measured on these prompts (docs/benchmarks/cpu.md): 96 % greedy agreement and top-5 logprobs
+# within 0.80 nats of float32 (bfloat16 without int8: 96 %, 0.45); the corrupted packing below:
+# 4 %, 36 nats.
+LOGPROB_TOLERANCE = 1.2
 MIN_GREEDY_AGREEMENT = 0.9
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The engine's own setting on 2 cores (TorchEngineConfig.resolve_cpu_threads): two OpenMP
+    threads on a busy machine made these 72 decode steps take minutes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(TorchEngineConfig().resolve_cpu_threads())
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
