@@ -312,7 +312,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_proj, attn.o_proj = Int8Linear.of(attn.qkv_proj, dtype), Int8Linear.of(attn.o_proj, dtype)
-            mlp.gate_up_proj, mlp.down_proj = Int8Linear.of(mlp.gate_up_proj, dtype), Int8Linear.of(mlp.down_proj, dtype)
+            mlp.gate_up_proj = Int8Linear.of(mlp.gate_up_proj, dtype)
+            mlp.down_proj = Int8Linear.of(mlp.down_proj, dtype)
         self.lm_head = Int8Linear.of(self.lm_head, dtype)  # a tied embedding table stays dense, for lookups
         self.to(dtype)
         self.reset_rope_tables()
