@@ -218,7 +218,8 @@ def main() -> None:
         report = asyncio.run(run(args.url, args))
     else:
         home = args.bentoml_home or Path(tempfile.mkdtemp(prefix="completion-rate-"))
-        with tempfile.TemporaryDirectory() as logs, bentoml_serve(".", home, Path(logs) / "server.log") as server:
+        with tempfile.TemporaryDirectory() as logs, \
+                bentoml_serve(".", home, Path(logs) / "server.log", suite_numerics=False) as server:
             report = asyncio.run(run(server.url, args))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")

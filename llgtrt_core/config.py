@@ -63,7 +63,11 @@ class RuntimeConfig:
     device: Optional[str] = option(None, "PyTorch engine: torch device; null: cuda when available, else cpu. "
                                          "Env LLGTRT_DEVICE.")
     dtype: Optional[str] = option(None, "PyTorch engine: weights and activations dtype (float32, bfloat16, "
-                                        "float16); null: bfloat16 on cuda, float32 on cpu.")
+                                        "float16); null: bfloat16 on cuda and on a cpu with bfloat16 kernels "
+                                        "(AVX-512 BF16, AMX), else float32. Env LLGTRT_DTYPE.")
+    weights: Optional[str] = option(None, "PyTorch engine: int8 (weight-only int8 matmuls, cpu only: a decode "
+                                          "step reads a quarter of float32's bytes) or dense (the dtype's); null: "
+                                          "int8 on cpu when the dtype is bfloat16, else dense. Env LLGTRT_WEIGHTS.")
     cpu_threads: Optional[int] = option(None, "PyTorch engine on cpu: torch intra-op threads; null: all cores "
                                               "but one (the event loop and llguidance need one). Env "
                                               "LLGTRT_CPU_THREADS.")
@@ -74,6 +78,10 @@ class RuntimeConfig:
     mixed_prefill: bool = option(True, "PyTorch engine: a step that decodes and admits prompts runs both in one "
                                        "forward pass (the weights read once); false: the prompts in a pass of "
                                        "their own, the decode under CUDA graphs.")
+
+    def __post_init__(self) -> None:
+        if self.weights not in (None, "int8", "dense"):
+            raise ConfigError(f"config key 'runtime.weights': expected int8, dense or null, got {self.weights!r}")
 
 
 @dataclass(frozen=True)
@@ -231,6 +239,8 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "LLGTRT_MAX_BATCH_SIZE": ("runtime", "max_batch_size"),
     "LLGTRT_MAX_MODEL_LEN": ("runtime", "max_model_len"),
     "LLGTRT_DEVICE": ("runtime", "device"),
+    "LLGTRT_DTYPE": ("runtime", "dtype"),
+    "LLGTRT_WEIGHTS": ("runtime", "weights"),
     "LLGTRT_CPU_THREADS": ("runtime", "cpu_threads"),
     "LLGTRT_PREFILL_CHUNK_TOKENS": ("runtime", "prefill_chunk_tokens"),
     "LLGTRT_TOOL_FORMAT": ("tokenizer", "tool_format"),

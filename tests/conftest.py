@@ -21,6 +21,8 @@ from typing import Iterator
 import httpx
 import pytest
 
+from tests.bento_server import SUITE_ENV
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 SERVER_START_TIMEOUT_S = 180
@@ -47,7 +49,7 @@ def _free_port() -> int:
 
 
 def _server_env(bentoml_home: Path) -> dict[str, str]:
-    return {**os.environ, "BENTOML_HOME": str(bentoml_home), "BENTOML_DO_NOT_TRACK": "true"}
+    return {**os.environ, **SUITE_ENV, "BENTOML_HOME": str(bentoml_home), "BENTOML_DO_NOT_TRACK": "true"}
 
 
 @pytest.fixture(scope="session")

@@ -70,7 +70,8 @@ class TorchEngineConfig:
     max_batch_size: int = 8
     max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
     device: Optional[str] = None  # default: cuda when available, else cpu
-    dtype: Optional[str] = None  # default: bfloat16 on cuda, float32 on cpu
+    dtype: Optional[str] = None  # default: bfloat16 on cuda and on a cpu with bfloat16 kernels, else float32
+    weights: Optional[str] = None  # "int8" (weight-only, cpu) or "dense"; default: int8 on cpu in bfloat16
     cpu_threads: Optional[int] = None  # torch intra-op threads on cpu; default: all cores but one
     cuda_graphs: bool = True  # decode under CUDA graphs (cuda only)
     fast_forward: bool = True  # feed the tokens a grammar forces in one forward pass, unsampled
@@ -91,7 +92,18 @@ class TorchEngineConfig:
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype:
             return getattr(torch, self.dtype)
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported():  # AVX-512 BF16 or AMX
+            return torch.bfloat16
+        return torch.float32
+
+    def resolve_int8_weights(self, device: torch.device) -> bool:
+        """int8 matmuls read a quarter of float32's bytes per decode step, but the CPU kernel is
+        fast only on bfloat16 activations (docs/benchmarks/cpu.md); the GPU path stays dense."""
+        if self.weights is None:
+            return device.type == "cpu" and self.resolve_dtype(device) == torch.bfloat16
+        if self.weights == "int8" and device.type != "cpu":
+            raise ValueError("int8 weights run on the cpu only")
+        return self.weights == "int8"
 
     def resolve_cpu_threads(self) -> int:
         """One core is left to the rest of the server (event loop, HTTP, the grammar threads that
@@ -159,7 +171,7 @@ class TorchEngine(Engine):
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         if self.model is None:
             self.model = await asyncio.to_thread(load_model, self.model_dir, self.max_model_len, self.dtype,
-                                                 self.device)
+                                                 self.device, self.config.resolve_int8_weights(self.device))
         cfg = self.model.config
         self.cache = KVCache.for_device(cfg.num_layers, self.config.max_batch_size, cfg.num_kv_heads, cfg.head_dim,
                                         self.max_model_len, self.dtype, self.device,

@@ -9,7 +9,9 @@ import torch
 def gather_blocks(layer_cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` positions stored in `blocks` (..., num) of one layer's cache
     (blocks, kv_heads, block_size, head_dim), in order: (..., kv_heads, length, head_dim)."""
-    tiles = layer_cache[blocks].transpose(-4, -3)  # (..., kv_heads, num, block_size, head_dim)
+    # index_select, not layer_cache[blocks]: the CPU's advanced indexing took 8x longer for the same copy.
+    tiles = layer_cache.index_select(0, blocks.reshape(-1)).view(*blocks.shape, *layer_cache.shape[1:])
+    tiles = tiles.transpose(-4, -3)  # (..., kv_heads, num, block_size, head_dim)
     return tiles.flatten(-3, -2)[..., :length, :]
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llgtrt_core.engine.kv_cache import KVCache
+from llgtrt_core.layers.int8_linear import Int8Linear
 from llgtrt_core.kernels import int64_to_device
 from llgtrt_core.layers.layernorm import rms_norm
 from llgtrt_core.layers.ops import LayerOps, layer_ops
@@ -154,9 +155,6 @@ class PackedLinear(nn.Linear):
         super().__init__(in_features, sum(parts.values()), bias=bias)
         self.parts = parts
 
-    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return out.split(list(self.parts.values()), dim=-1)
-
     def checkpoint_views(self, prefix: str) -> dict[str, torch.Tensor]:
         """Views of this matrix's rows under the checkpoint's names, e.g. `...self_attn.q_proj.weight`."""
         views, offset = {}, 0
@@ -178,6 +176,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         hidden, bias = config.hidden_size, config.attention_bias
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = PackedLinear(hidden, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
         if config.qk_norm:
@@ -207,7 +206,7 @@ class Attention(nn.Module):
         cached keys and causally among themselves; their keys and values are written to the cache.
         Returns (total, heads * head_dim). Attention runs one segment at a time."""
         total = qkv.shape[0]
-        q, k, v = self.qkv_proj.split(qkv.unsqueeze(0))
+        q, k, v = qkv.unsqueeze(0).split(self.qkv_sizes, dim=-1)
         q = q.view(1, total, self.num_heads, self.head_dim)
         k = k.view(1, total, self.num_kv_heads, self.head_dim)
         v = v.view(1, total, self.num_kv_heads, self.head_dim)
@@ -305,9 +304,23 @@ class LlamaForCausalLM(nn.Module):
                 tensors[name] = parameter.detach()
         return tensors
 
+    def use_int8_weights(self, dtype: torch.dtype) -> None:
+        """Every matmul's weights (projections and lm_head) to weight-only int8 with activations in
+        `dtype` (bfloat16; CPU only), the other parameters cast to `dtype`. Quantize float32 weights:
+        rounding them to bfloat16 first would add its error to int8's. The checkpoint names
+        (`checkpoint_tensors`) are gone afterwards."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj, attn.o_proj = Int8Linear.of(attn.qkv_proj, dtype), Int8Linear.of(attn.o_proj, dtype)
+            mlp.gate_up_proj = Int8Linear.of(mlp.gate_up_proj, dtype)
+            mlp.down_proj = Int8Linear.of(mlp.down_proj, dtype)
+        self.lm_head = Int8Linear.of(self.lm_head, dtype)  # a tied embedding table stays dense, for lookups
+        self.to(dtype)
+        self.reset_rope_tables()
+
     def reset_rope_tables(self) -> None:
         """Recompute the float32 cos/sin tables on the model's device (after to_empty or a dtype cast)."""
-        self.rope_cos, self.rope_sin = rope_tables(self.config, self.max_positions, self.lm_head.weight.device)
+        self.rope_cos, self.rope_sin = rope_tables(self.config, self.max_positions, self.model.norm.weight.device)
 
     def _run(self, x: torch.Tensor, ops: LayerOps, attend) -> torch.Tensor:
         """The decoder layers and the final norm over embeddings x; attend(attention, h) -> its output."""

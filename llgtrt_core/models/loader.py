@@ -52,9 +52,12 @@ def random_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, de
     return model
 
 
-def load_model(model_dir: Path, max_positions: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def load_model(model_dir: Path, max_positions: int, dtype: torch.dtype, device: torch.device,
+               int8_weights: bool = False) -> LlamaForCausalLM:
+    """int8_weights: the matmuls on weight-only int8 (`LlamaForCausalLM.use_int8_weights`), quantized
+    from the checkpoint's values as loaded in float32."""
     config = load_config(model_dir)
-    model = _empty_model(config, max_positions, dtype, device)
+    model = _empty_model(config, max_positions, torch.float32 if int8_weights else dtype, device)
     parameters = model.checkpoint_tensors()
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -72,7 +75,11 @@ def load_model(model_dir: Path, max_positions: int, dtype: torch.dtype, device: 
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-    logger.info("loaded %s (%d tensors) on %s as %s", config.architecture, len(loaded), device, dtype)
     model.eval()
-    model.reset_rope_tables()  # to_empty left them uninitialized, and they must stay float32
+    if int8_weights:
+        model.use_int8_weights(dtype)
+    else:
+        model.reset_rope_tables()  # to_empty left them uninitialized, and they must stay float32
+    logger.info("loaded %s (%d tensors) on %s as %s%s", config.architecture, len(loaded), device, dtype,
+                " with int8 weights" if int8_weights else "")
     return model

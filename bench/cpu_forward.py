@@ -1,0 +1,98 @@
+"""The model's forward passes alone on the CPU: a prefill and decode steps at batch 1 and 8, for
+each weight format, rounds alternating between the formats (a shared machine slows them alike).
+--profile adds torch.profiler's table of the ops that took the time (matmuls vs the rest).
+
+    BENTOML_HOME=/tmp/bench-home python pack_model.py   # once
+    BENTOML_HOME=/tmp/bench-home python bench/cpu_forward.py [--rounds 3] [--threads 1] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine_cpu import default_model_dir  # noqa: E402  (bench/ is the script's folder)
+from llgtrt_core.engine.kv_cache import KVCache  # noqa: E402
+from llgtrt_core.models.loader import load_model  # noqa: E402
+from measure import machine  # noqa: E402
+
+FORMATS = {"float32": (torch.float32, False), "bfloat16": (torch.bfloat16, False), "int8": (torch.bfloat16, True)}
+MAX_LEN = 1024
+CONTEXT = 200  # tokens already cached when a decode step runs
+
+
+def passes(model, dtype: torch.dtype, prompt_tokens: int, seed: int) -> dict[str, Callable[[], torch.Tensor]]:
+    config = model.config
+    cache = KVCache(config.num_layers, 8, config.num_kv_heads, config.head_dim, MAX_LEN, dtype, torch.device("cpu"))
+    for row in range(8):
+        cache.allocate(row, CONTEXT + 64)
+    cache.sync_table()
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, config.vocab_size, (prompt_tokens,), generator=generator)
+
+    def decode(n: int) -> torch.Tensor:
+        tokens = torch.randint(0, config.vocab_size, (n,), generator=generator)
+        return model.decode(tokens, torch.full((n,), CONTEXT), CONTEXT + 1, cache, cache.block_table[:n])
+
+    return {f"prefill {prompt_tokens}": lambda: model.extend(prompt, cache, slot=8 - 1),
+            "decode 1": lambda: decode(1), "decode 8": lambda: decode(8)}
+
+
+def timed_ms(run: Callable[[], torch.Tensor], repeats: int) -> float:
+    run()  # warm-up: oneDNN picks its kernels on the first call of a shape
+    start = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--formats", default=",".join(FORMATS), help=f"of {', '.join(FORMATS)}")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10, help="passes timed per round")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (the engine's default on 2 cores)")
+    parser.add_argument("--prompt-tokens", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0, help="the random token ids")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler table per format and pass")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = default_model_dir()
+    models = {}
+    for name in args.formats.split(","):
+        dtype, int8 = FORMATS[name]
+        models[name] = passes(load_model(model_dir, MAX_LEN, dtype, torch.device("cpu"), int8), dtype,
+                              args.prompt_tokens, args.seed)
+    print(f"{machine()}; {args.threads} thread(s); seed {args.seed}", flush=True)
+    times: dict[tuple[str, str], list[float]] = {}
+    for _ in range(args.rounds):
+        for name, runs in models.items():
+            for label, run in runs.items():
+                times.setdefault((name, label), []).append(timed_ms(run, args.repeats))
+    for (name, label), values in times.items():
+        print(f"{name:<9} {label:<12} {statistics.median(values):7.1f} ms  [{min(values):.1f}-{max(values):.1f}]")
+    print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, runs in models.items():
+            for label, run in runs.items():
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    for _ in range(args.repeats):
+                        run()
+                print(f"\n{name}, {label} ({args.repeats} passes)")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+
+
+if __name__ == "__main__":
+    main()

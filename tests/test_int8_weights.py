@@ -1,0 +1,163 @@
+"""The CPU default, weight-only int8 matmuls with bfloat16 activations, against the float32 model
+it is quantized from: same greedy answers, close top-k logprobs, and a corrupted packing fails
+that same check (so the tolerance catches a broken kernel). Constrained answers stay valid."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from llgtrt_core.engine.interface import GenerationRequest, SamplingParams
+from llgtrt_core.engine.kv_cache import KVCache
+from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig
+from llgtrt_core.layers.int8_linear import Int8Linear
+from llgtrt_core.models.llama import LlamaForCausalLM
+from llgtrt_core.models.loader import load_model
+
+pytestmark = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                                reason="the int8 default needs a cpu with bfloat16 kernels")
+
+EOS = frozenset({2})  # <|im_end|> of SmolLM2
+QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.", "Explain how a bicycle works.")
+STEPS = 24
+TOP_K = 5
+# Measured on these prompts (docs/benchmarks/cpu.md): 96 % greedy agreement and top-5 logprobs
+# within 0.80 nats of float32 (bfloat16 without int8: 96 %, 0.45); the corrupted packing below:
+# 4 %, 36 nats.
+LOGPROB_TOLERANCE = 1.2
+MIN_GREEDY_AGREEMENT = 0.9
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The engine's own setting on 2 cores (TorchEngineConfig.resolve_cpu_threads): two OpenMP
+    threads on a busy machine made these 72 decode steps take minutes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(TorchEngineConfig().resolve_cpu_threads())
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(stored_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(stored_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    def chat(question: str) -> list[int]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    return [chat(q) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def reference(stored_model_dir: Path, prompts) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """float32's greedy continuations of each prompt and its logprobs along them."""
+    model = load_model(stored_model_dir, 256, torch.float32, torch.device("cpu"))
+    runs = [greedy_logprobs(model, prompt) for prompt in prompts]
+    return [tokens for tokens, _ in runs], [logprobs for _, logprobs in runs]
+
+
+def int8_model(stored_model_dir: Path) -> LlamaForCausalLM:
+    return load_model(stored_model_dir, 256, torch.bfloat16, torch.device("cpu"), int8_weights=True)
+
+
+def greedy_logprobs(model: LlamaForCausalLM, prompt: list[int], forced: list[int] | None = None
+                    ) -> tuple[list[int], torch.Tensor]:
+    """STEPS tokens after `prompt`: the model's greedy picks, or `forced` ones fed instead (so two
+    models are compared at the same positions); returns them and the logprobs (STEPS, vocab) each
+    step saw. The prompt goes through prefill (the dense path), the steps through batch-1 decode
+    (the int8 kernel)."""
+    config = model.config
+    dtype = model.model.embed_tokens.weight.dtype
+    cache = KVCache(config.num_layers, 1, config.num_kv_heads, config.head_dim, 256, dtype, torch.device("cpu"))
+    assert cache.allocate(0, len(prompt) + STEPS)
+    cache.sync_table()
+    logits = model.extend(torch.tensor(prompt), cache, slot=0)
+    tokens, logprobs = [], []
+    for step in range(STEPS):
+        logprobs.append(logits.float().log_softmax(-1))
+        tokens.append(forced[step] if forced else int(logits.argmax()))
+        position = len(prompt) + step
+        logits = model.decode(torch.tensor([tokens[-1]]), torch.tensor([position]), position + 1, cache,
+                              cache.block_table[:1])[0]
+    return tokens, torch.stack(logprobs)
+
+
+def closeness(model: LlamaForCausalLM, prompts, reference) -> tuple[float, float]:
+    """(share of steps whose greedy pick equals float32's, largest top-k logprob difference), both
+    along float32's own continuations."""
+    agree, worst = 0, 0.0
+    for prompt, tokens, want in zip(prompts, *reference):
+        _, got = greedy_logprobs(model, prompt, forced=tokens)
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        top = want.topk(TOP_K, dim=-1).indices
+        worst = max(worst, float((got.gather(-1, top) - want.gather(-1, top)).abs().max()))
+    return agree / (len(prompts) * STEPS), worst
+
+
+def test_int8_matches_float32(stored_model_dir: Path, prompts, reference, tokenizer) -> None:
+    model = int8_model(stored_model_dir)
+    assert isinstance(model.lm_head, Int8Linear)
+    agreement, worst = closeness(model, prompts, reference)
+    assert agreement >= MIN_GREEDY_AGREEMENT and worst <= LOGPROB_TOLERANCE, (agreement, worst)
+    answer, _ = greedy_logprobs(model, prompts[0])
+    assert tokenizer.decode(answer).startswith("The capital of France")
+
+
+def test_a_corrupted_packing_fails_the_check(stored_model_dir: Path, prompts, reference) -> None:
+    """Each down projection's int8 rows shifted by one against their scales, as a kernel reading
+    the wrong row would: the closeness check above must reject it."""
+    model = int8_model(stored_model_dir)
+    for layer in model.model.layers:
+        weight = layer.mlp.down_proj.int8_weight
+        weight.copy_(weight.roll(1, dims=0))
+    agreement, worst = closeness(model, prompts, reference)
+    assert agreement < MIN_GREEDY_AGREEMENT or worst > LOGPROB_TOLERANCE, (agreement, worst)
+
+
+def test_constrained_answers_stay_valid_with_int8(stored_model_dir: Path, tokenizer, prompts) -> None:
+    from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
+    from llgtrt_core.constraints.postprocessor import MaskPostProcessor
+    from llgtrt_core.constraints.request_grammar import json_schema_grammar
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                               "city": {"type": "string", "enum": ["Paris", "London", "Berlin"]}},
+              "required": ["name", "age", "city"], "additionalProperties": False}
+    ll_tokenizer = build_ll_tokenizer(tokenizer, json.loads((stored_model_dir / "config.json").read_text())
+                                      ["vocab_size"], sorted(EOS))
+
+    async def scenario() -> list[str]:
+        compiler = GrammarCompiler(ll_tokenizer)
+        engine = TorchEngine(stored_model_dir, TorchEngineConfig(device="cpu", max_batch_size=4),
+                             MaskPostProcessor(ll_tokenizer, max_batch_size=4))
+        assert engine.config.resolve_int8_weights(engine.device)
+        await engine.start()
+        try:
+            grammar = await compiler.compile(json_schema_grammar(schema))
+
+            async def one(i: int, temperature: float) -> str:
+                request = GenerationRequest(f"r{i}", prompts[i % len(prompts)],
+                                            SamplingParams(max_tokens=80, temperature=temperature, seed=i,
+                                                           stop_token_ids=EOS),
+                                            compiler.new_constraint(grammar))
+                tokens = [t async for delta in engine.generate(request) for t in delta.token_ids]
+                return tokenizer.decode([t for t in tokens if t not in EOS])
+
+            return await asyncio.gather(*(one(i, t) for i, t in enumerate((0.0, 0.7, 1.0, 1.3))))
+        finally:
+            await engine.shutdown()
+
+    for text in asyncio.run(scenario()):
+        answer = json.loads(text)
+        assert set(answer) == {"name", "age", "city"} and answer["city"] in ("Paris", "London", "Berlin")
+        assert len(answer["name"]) <= 20 and 0 <= answer["age"] <= 120
