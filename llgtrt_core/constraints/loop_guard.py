@@ -13,8 +13,15 @@ things (`EscapeMasks`), and only when that leaves something allowed; otherwise i
 step where it does. A loop inside a string or a number (no JSON punctuation in its period) is
 left by one token that ends the value (`"`, `,`, `]`, `}` or EOS, alone or together); a loop
 over items or keys by one that closes a container (`]`, `}`, maybe after a `"`) or EOS. Once a
-steered token is taken the guard watches again from scratch. An answer that never repeats that
-long is never touched: its masks are the grammar's own.
+steered token is taken the guard watches again from scratch.
+
+What no period check sees (items that differ a little each time, a recursion that opens the same
+object again, a string that never closes, an array of ever new items) is caught by the length
+limit: once the tokens left of `max_tokens` are `closing_margin` plus one per open bracket, every
+step is steered the way a value loop is left, to the nearest ending the grammar allows (close
+the string, then the containers, `,` only where a required key or item must come first), so
+the document closes before the limit. An answer that never repeats that long and ends before
+that point is never touched: its masks are the grammar's own.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ class LoopGuard:
     """One sequence's rolling loop check. Plain state (picklable); `observe` is O(1) amortized."""
 
     __slots__ = ("settings", "tokens", "_last_seen", "_period", "_run", "escaping", "_structural", "_depth",
-                 "_floor", "_seen")
+                 "_floor", "_seen", "closing", "_open", "_counted")
 
     def __init__(self, settings: LoopGuardSettings = LoopGuardSettings()) -> None:
         self.settings = settings
@@ -48,6 +55,8 @@ class LoopGuard:
         # While escaping a loop over items or keys: the bracket depth now and the loop's lowest,
         # both relative to where the loop was found, and the tokens counted in `_depth` so far.
         self._depth = self._floor = self._seen = 0
+        self.closing = False  # the length limit is near: every step steers to the nearest ending
+        self._open, self._counted = 0, 0  # brackets open over all tokens, from the first `_counted`
 
     def observe(self, token: int) -> None:
         position = len(self.tokens)
@@ -69,6 +78,19 @@ class LoopGuard:
         for token in tokens:
             self.observe(token)
 
+    def near_limit(self, escapes: "EscapeMasks") -> bool:
+        """Whether the tokens left of `max_tokens` are down to the margin plus the open brackets
+        (from then on, for good). O(1) amortized: brackets are counted once per token."""
+        if self.closing:
+            return True
+        limit = self.settings.max_tokens
+        if limit is None:
+            return False
+        self._open += sum(escapes.depth_delta[t] for t in self.tokens[self._counted:])
+        self._counted = len(self.tokens)
+        self.closing = limit - len(self.tokens) <= self.settings.closing_margin + max(self._open, 0)
+        return self.closing
+
     def period_tokens(self) -> list[int]:
         return self.tokens[len(self.tokens) - self._period:]
 
@@ -76,7 +98,10 @@ class LoopGuard:
         """While escaping: narrow the host int32 `mask` row in place to the first escape class the
         grammar allows a token of here; True when it did. A loop in a value is over once a token
         ending the value is taken; a loop over items or keys once the container it ran in is closed
-        (the bracket depth below the lowest of its period)."""
+        (the bracket depth below the lowest of its period). Near the length limit every step is
+        steered as out of a value loop, to the nearest ending."""
+        if self.closing:
+            return _narrow(mask, escapes.classes(mask, structural=False)) is not None
         if self._structural is None:
             self._start_escape(escapes)
         if self._structural:
@@ -85,14 +110,12 @@ class LoopGuard:
             if self._depth < self._floor:
                 self._stop_escape()
                 return False
-        for escape, ends_loop in escapes.classes(mask, bool(self._structural)):
-            narrowed = mask & escape
-            if bool(narrowed.any()):
-                mask.copy_(narrowed)
-                if ends_loop and not self._structural:
-                    self._stop_escape()
-                return True
-        return False  # nothing of the classes allowed here: try again next step
+        ends_loop = _narrow(mask, escapes.classes(mask, bool(self._structural)))
+        if ends_loop is None:
+            return False  # nothing of the classes allowed here: try again next step
+        if ends_loop and not self._structural:
+            self._stop_escape()
+        return True
 
     def _start_escape(self, escapes: "EscapeMasks") -> None:
         period = self.period_tokens()
@@ -164,8 +187,19 @@ def steer_loops(rows: Sequence[ConstrainedRow], masks: torch.Tensor, escapes: Es
             continue
         if row.new_token is not None:
             guard.observe(row.new_token)
-        if guard.escaping:
+        if guard.escaping or guard.near_limit(escapes):
             guard.steer(masks[j], escapes)
+
+
+def _narrow(mask: torch.Tensor, classes: list[tuple[torch.Tensor, bool]]) -> Optional[bool]:
+    """Narrow `mask` in place to the first class the grammar allows a token of; that class's
+    ends-a-value-loop flag, or None when no class has an allowed token (the mask is left)."""
+    for escape, ends_loop in classes:
+        narrowed = mask & escape
+        if bool(narrowed.any()):
+            mask.copy_(narrowed)
+            return ends_loop
+    return None
 
 
 def _made_of(text: str, chars: frozenset) -> bool:
