@@ -80,15 +80,19 @@ class LoopGuard:
 
     def near_limit(self, escapes: "EscapeMasks") -> bool:
         """Whether the tokens left of `max_tokens` are down to the margin plus the open brackets
-        (from then on, for good). O(1) amortized: brackets are counted once per token."""
+        (from then on, for good). O(1) amortized: brackets are counted once per token, and only
+        once the tokens not counted yet could have opened enough of them to matter."""
         if self.closing:
             return True
         limit = self.settings.max_tokens
         if limit is None:
             return False
+        left, uncounted = limit - len(self.tokens), len(self.tokens) - self._counted
+        if left > self.settings.closing_margin + max(self._open, 0) + escapes.most_opened * uncounted:
+            return False
         self._open += sum(escapes.depth_delta[t] for t in self.tokens[self._counted:])
         self._counted = len(self.tokens)
-        self.closing = limit - len(self.tokens) <= self.settings.closing_margin + max(self._open, 0)
+        self.closing = left <= self.settings.closing_margin + max(self._open, 0)
         return self.closing
 
     def period_tokens(self) -> list[int]:
@@ -149,6 +153,7 @@ class EscapeMasks:
         # Brackets opened minus closed by each token (inside strings too: close enough for a loop).
         self.depth_delta = [text.count("{") + text.count("[") - text.count("}") - text.count("]")
                             for text in token_texts]
+        self.most_opened = max(self.depth_delta, default=0)
         self.words = _mask_row([t for t, text in enumerate(token_texts) if _is_word(text)], words)
         self.string_enders = _mask_row(string_enders, words)
         self.string_closers = _mask_row([t for t in string_enders if _CONTAINER_CLOSERS & set(stripped[t])], words)
