@@ -131,7 +131,8 @@ class LoopGuardConfig:
     min_span: int = option(32, "A loop: the last tokens repeat one period over at least this many tokens ...")
     min_repeats: int = option(3, "... and at least this many times.")
     closing_margin: int = option(24, "Steer to the nearest ending the grammar allows once the tokens left of "
-                                     "max_tokens are this many plus one per open bracket.")
+                                     "max_tokens are this many (at most a tenth of max_tokens) plus one per "
+                                     "open bracket.")
 
     def __post_init__(self) -> None:
         if self.min_span < 2 or self.min_repeats < 2:

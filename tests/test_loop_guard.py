@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
-from llgtrt_core.constraints.loop_guard import LoopGuard, LoopGuardSettings
+from llgtrt_core.constraints.loop_guard import EscapeMasks, LoopGuard, LoopGuardSettings
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor
 from llgtrt_core.constraints.request_grammar import json_schema_grammar
 from llgtrt_core.engine.interface import ConstrainedRow
@@ -102,7 +102,7 @@ def test_an_answer_that_does_not_loop_keeps_the_grammars_masks(parts, hf_tokeniz
                           separators=(",", ":"))
     tokens = hf_tokenizer.encode(document, add_special_tokens=False)
     # The length limit just out of reach: two brackets stay open until the end.
-    settings = LoopGuardSettings(max_tokens=len(tokens) + LoopGuardSettings.closing_margin + 1)
+    settings = LoopGuardSettings(closing_margin=5, max_tokens=len(tokens) + 5 + 1)
     compiled = asyncio.run(compiler.compile(json_schema_grammar(schema)))
     guarded, plain = compiler.new_constraint(compiled, loop_guard=settings), compiler.new_constraint(compiled)
     token = None
@@ -150,3 +150,14 @@ def test_an_answer_that_would_run_to_max_tokens_closes_before_it(parts, hf_token
     assert finish == "stop", out
     assert len(hf_tokenizer.encode(out, add_special_tokens=False)) <= 150
     jsonschema.validate(json.loads(out), schema)
+
+
+def test_the_length_limit_margin_is_at_most_a_tenth_of_max_tokens_plus_the_open_brackets():
+    escapes = EscapeMasks(["x", "{", "}"], [2], 1)
+    guard = LoopGuard(LoopGuardSettings(closing_margin=24, max_tokens=40))  # margin 4, not 24
+    guard.observe(1)  # one bracket open
+    while len(guard.tokens) < 34:
+        guard.observe(0)
+        assert not guard.near_limit(escapes)
+    guard.observe(0)  # 5 tokens left: 4 + 1 open bracket
+    assert guard.near_limit(escapes) and guard.closing

@@ -17,7 +17,8 @@ steered token is taken the guard watches again from scratch.
 
 What no period check sees (items that differ a little each time, a recursion that opens the same
 object again, a string that never closes, an array of ever new items) is caught by the length
-limit: once the tokens left of `max_tokens` are `closing_margin` plus one per open bracket, every
+limit: once the tokens left of `max_tokens` are `closing_margin` (at most a tenth of
+`max_tokens`) plus one per open bracket, every
 step is steered the way a value loop is left, to the nearest ending the grammar allows (close
 the string, then the containers, `,` only where a required key or item must come first), so
 the document closes before the limit. An answer that never repeats that long and ends before
@@ -87,12 +88,14 @@ class LoopGuard:
         limit = self.settings.max_tokens
         if limit is None:
             return False
+        # A short answer keeps most of its room: the margin is at most a tenth of it.
+        margin = min(self.settings.closing_margin, limit // 10)
         left, uncounted = limit - len(self.tokens), len(self.tokens) - self._counted
-        if left > self.settings.closing_margin + max(self._open, 0) + escapes.most_opened * uncounted:
+        if left > margin + max(self._open, 0) + escapes.most_opened * uncounted:
             return False
         self._open += sum(escapes.depth_delta[t] for t in self.tokens[self._counted:])
         self._counted = len(self.tokens)
-        self.closing = left <= self.settings.closing_margin + max(self._open, 0)
+        self.closing = left <= margin + max(self._open, 0)
         return self.closing
 
     def period_tokens(self) -> list[int]:
