@@ -161,3 +161,25 @@ def test_the_length_limit_margin_is_at_most_a_tenth_of_max_tokens_plus_the_open_
         assert not guard.near_limit(escapes)
     guard.observe(0)  # 5 tokens left: 4 + 1 open bracket
     assert guard.near_limit(escapes) and guard.closing
+
+
+def test_free_text_before_the_answer_is_never_steered(parts, hf_tokenizer):
+    """A reasoning section's thinking is free text (words and raw newlines, unlike a JSON string):
+    near the length limit and looping, its masks stay the grammar's own."""
+    from llgtrt_core.constraints.reasoning_grammar import reasoning_grammar
+
+    compiler, processor = parts
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    grammar = reasoning_grammar("<think>", "</think>", 400, json_schema_grammar(schema), {})
+    compiled = asyncio.run(compiler.compile(grammar))
+    guarded = compiler.new_constraint(compiled, loop_guard=LoopGuardSettings(max_tokens=60))
+    plain = compiler.new_constraint(compiled)
+    thinking = "<think>" + 'He said "no", then\n' * 40
+    token = None
+    for next_token in hf_tokenizer.encode(thinking, add_special_tokens=False)[:59]:
+        masks = processor.fill([ConstrainedRow(guarded, 0, token), ConstrainedRow(plain, 1, token)])
+        assert masks[0].equal(masks[1])
+        token = next_token
+    # Near the limit and looping: the limit is checked while a loop's escape is pending too.
+    assert guarded.loop_guard.closing and guarded.loop_guard.escaping
+

@@ -144,7 +144,9 @@ class EscapeMasks:
 
     Whether a row is inside a JSON string is read off its mask: only there does the grammar
     allow plain words. Inside, a value ends with a token opening with the closing quote
-    (`"`, `",`, `"]`, `"}`, ...); outside, with `,`, `]`, `}` (made of these only) or EOS.
+    (`"`, `",`, `"]`, `"}`, ...); outside, with `,`, `]`, `}` (made of these only) or EOS. Free
+    text (a reasoning section before the answer, a grammar's free-text rule) allows words and a
+    raw newline, which no JSON string does: there nothing is steered.
     """
 
     def __init__(self, token_texts: Sequence[str], eos_tokens: Sequence[int], words: int) -> None:
@@ -158,6 +160,7 @@ class EscapeMasks:
                             for text in token_texts]
         self.most_opened = max(self.depth_delta, default=0)
         self.words = _mask_row([t for t, text in enumerate(token_texts) if _is_word(text)], words)
+        self.newlines = _mask_row([t for t, text in enumerate(token_texts) if "\n" in text], words)
         self.string_enders = _mask_row(string_enders, words)
         self.string_closers = _mask_row([t for t in string_enders if _CONTAINER_CLOSERS & set(stripped[t])], words)
         self.value_enders = _mask_row([*value_enders, *eos_tokens], words)
@@ -176,7 +179,9 @@ class EscapeMasks:
     def classes(self, mask: torch.Tensor, structural: bool) -> list[tuple[torch.Tensor, bool]]:
         """The escape classes to try at this mask, in order, each with whether taking it ends a
         loop in a value."""
-        if bool((mask & self.words).any()):  # inside a string
+        if bool((mask & self.words).any()):  # inside a string, or free text
+            if bool((mask & self.newlines).any()):
+                return []
             return [(self.string_closers, True), (self.string_enders, True)]
         if structural:
             return [(self.container_closers, True)]
@@ -195,7 +200,7 @@ def steer_loops(rows: Sequence[ConstrainedRow], masks: torch.Tensor, escapes: Es
             continue
         if row.new_token is not None:
             guard.observe(row.new_token)
-        if guard.escaping or guard.near_limit(escapes):
+        if guard.near_limit(escapes) or guard.escaping:  # the limit first: an escape may never end
             guard.steer(masks[j], escapes)
 
 
