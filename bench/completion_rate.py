@@ -132,7 +132,7 @@ async def ask(client: httpx.AsyncClient, url: str, body: dict[str, Any], schema:
     finish = choice["finish_reason"]
     content = choice["message"].get("content") or ""
     if finish != "stop":
-        return Outcome(finish, tokens=tokens, detail=content[-160:])
+        return Outcome(finish, tokens=tokens, detail=content[-300:])
     valid, why = check(schema, content)
     return Outcome(finish, valid, tokens, why)
 
@@ -147,7 +147,7 @@ async def run_setting(url: str, schemas: list[tuple[str, dict[str, Any]]], extra
             outcome = await ask(client, url, request_body(schema, extra, seed + index, args.max_tokens, model), schema)
         tally.outcomes.append(outcome)
         if args.verbose:
-            print(f"  {name}: {outcome.finish} valid={outcome.valid} tokens={outcome.tokens} {outcome.detail[:120]!r}",
+            print(f"  {name}: {outcome.finish} valid={outcome.valid} tokens={outcome.tokens} {outcome.detail!r}",
                   flush=True)
 
     start = time.monotonic()

@@ -1,6 +1,7 @@
 """Host time the loop guard adds per constrained row per step (constraints/loop_guard.py).
 
-Times `steer_loops` over a step's rows (each observes its new token; none is looping) against
+Times `steer_loops` over a step's rows (each observes its new token and counts it against its
+length limit; none is looping nor near the limit) against
 the same rows without a guard, and one steering step of a looping row (the rare case: a mask
 narrowed to an escape class), on the default model's vocabulary size. Median of --repeats runs
 of --steps steps each, per row per step.
@@ -37,7 +38,8 @@ class Row:  # the two attributes steer_loops reads of a constraint
 
 def per_row_step(rows: int, steps: int, guarded: bool, seed: int) -> float:
     rng = random.Random(seed)
-    constraints = [Row(LoopGuard(LoopGuardSettings()) if guarded else None) for _ in range(rows)]
+    far_limit = LoopGuardSettings(max_tokens=steps + 10**6)  # its brackets are counted, it never steers
+    constraints = [Row(LoopGuard(far_limit) if guarded else None) for _ in range(rows)]
     tokens = [[rng.randrange(VOCAB) for _ in range(steps)] for _ in range(rows)]  # no loops
     masks = torch.zeros(rows, VOCAB // 32, dtype=torch.int32)
     escapes = EscapeMasks([""] * VOCAB, [0], VOCAB // 32)

@@ -130,10 +130,15 @@ class LoopGuardConfig:
                                  "`loop_guard` overrides it).")
     min_span: int = option(32, "A loop: the last tokens repeat one period over at least this many tokens ...")
     min_repeats: int = option(3, "... and at least this many times.")
+    closing_margin: int = option(24, "Steer to the nearest ending the grammar allows once the tokens left of "
+                                     "max_tokens are this many (at most a tenth of max_tokens) plus one per "
+                                     "open bracket.")
 
     def __post_init__(self) -> None:
         if self.min_span < 2 or self.min_repeats < 2:
             raise ConfigError("config keys 'llguidance.loop_guard.min_span' and '...min_repeats' must be at least 2")
+        if self.closing_margin < 0:
+            raise ConfigError("config key 'llguidance.loop_guard.closing_margin' must be at least 0")
 
 
 @dataclass(frozen=True)

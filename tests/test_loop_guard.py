@@ -5,6 +5,7 @@ masks, and a loop of any period is found."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Optional
@@ -13,7 +14,7 @@ import jsonschema
 import pytest
 
 from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
-from llgtrt_core.constraints.loop_guard import LoopGuard, LoopGuardSettings
+from llgtrt_core.constraints.loop_guard import EscapeMasks, LoopGuard, LoopGuardSettings
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor
 from llgtrt_core.constraints.request_grammar import json_schema_grammar
 from llgtrt_core.engine.interface import ConstrainedRow
@@ -42,14 +43,15 @@ def stubborn_model(parts, hf_tokenizer, schema: dict, prefix: str, unit: str, gu
                    fast_forward: bool = False) -> tuple[str, str]:
     """Decode with a 'model' that always wants to write `prefix` then `unit` forever: it takes its
     wanted token when the mask allows it, else the first allowed token (and then wants `unit`
-    again). Returns (text, "stop" | "length")."""
+    again). Returns (text, "stop" | "length"); "length" past MAX_STEPS tokens or the guard's
+    `max_tokens`."""
     compiler, processor = parts
     constraint = compiler.new_constraint(asyncio.run(compiler.compile(json_schema_grammar(schema))), loop_guard=guard)
     eos = set(compiler.tokenizer.eos_tokens)
     wanted = hf_tokenizer.encode(prefix + unit * MAX_STEPS, add_special_tokens=False)
     out: list[int] = []
     token = None
-    for _ in range(MAX_STEPS):
+    while len(out) < min(MAX_STEPS, guard and guard.max_tokens or MAX_STEPS):
         if fast_forward:  # the PyTorch engine's path: commits go through commit_with_forced
             out += processor.commit_with_forced(constraint, token, 0)
             token = None
@@ -98,14 +100,17 @@ def test_an_answer_that_does_not_loop_keeps_the_grammars_masks(parts, hf_tokeniz
     # Repetitive but short of a loop: ten items, each different, digits that repeat a little.
     document = json.dumps({"tags": [f"tag {i} of the list" for i in range(10)], "n": 1000000},
                           separators=(",", ":"))
+    tokens = hf_tokenizer.encode(document, add_special_tokens=False)
+    # The length limit just out of reach: two brackets stay open until the end.
+    settings = LoopGuardSettings(closing_margin=5, max_tokens=len(tokens) + 5 + 1)
     compiled = asyncio.run(compiler.compile(json_schema_grammar(schema)))
-    guarded, plain = compiler.new_constraint(compiled, loop_guard=LoopGuardSettings()), compiler.new_constraint(compiled)
+    guarded, plain = compiler.new_constraint(compiled, loop_guard=settings), compiler.new_constraint(compiled)
     token = None
-    for next_token in [*hf_tokenizer.encode(document, add_special_tokens=False), None]:
+    for next_token in [*tokens, None]:
         masks = processor.fill([ConstrainedRow(guarded, 0, token), ConstrainedRow(plain, 1, token)])
         assert masks[0].equal(masks[1])
         token = next_token
-    assert not guarded.loop_guard.escaping
+    assert not guarded.loop_guard.escaping and not guarded.loop_guard.closing
 
 
 def test_a_loop_of_any_period_is_found_after_min_repeats_periods():
@@ -117,3 +122,64 @@ def test_a_loop_of_any_period_is_found_after_min_repeats_periods():
     assert not guard.escaping  # three periods less one token
     guard.observe(tokens[-1])
     assert guard.escaping
+
+
+# Loops no period check sees: items that differ each time, a recursion that opens the object
+# again with a new name, a string that never closes. Only the length limit ends them.
+RECURSIVE = {"type": "object", "properties": {"name": {"type": "string"}, "child": {"$ref": "#"}},
+             "required": ["name"], "additionalProperties": False}
+NON_PERIODIC = [
+    ({"type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"}}},
+      "required": ["ids"], "additionalProperties": False},
+     '{"ids":[' + ",".join(str(i) for i in range(100, 2000))),
+    ({"type": "object", "properties": {"text": {"type": "string"}, "n": {"type": "integer"}},
+      "required": ["text", "n"], "additionalProperties": False},
+     '{"text":"' + " ".join(f"step {i}" for i in range(2000))),
+    (RECURSIVE, "".join(f'{{"name":"node {i}","child":' for i in range(500))),
+]
+
+
+@pytest.mark.parametrize("fast_forward", [False, True])
+@pytest.mark.parametrize("schema,text", NON_PERIODIC)
+def test_an_answer_that_would_run_to_max_tokens_closes_before_it(parts, hf_tokenizer, schema, text, fast_forward):
+    no_periods = LoopGuardSettings(min_span=10**6)  # the length limit alone
+    _, finish = stubborn_model(parts, hf_tokenizer, schema, text, "", dataclasses.replace(no_periods), fast_forward)
+    assert finish == "length"  # no max_tokens given: nothing steers
+    out, finish = stubborn_model(parts, hf_tokenizer, schema, text, "",
+                                 dataclasses.replace(no_periods, max_tokens=150), fast_forward)
+    assert finish == "stop", out
+    assert len(hf_tokenizer.encode(out, add_special_tokens=False)) <= 150
+    jsonschema.validate(json.loads(out), schema)
+
+
+def test_the_length_limit_margin_is_at_most_a_tenth_of_max_tokens_plus_the_open_brackets():
+    escapes = EscapeMasks(["x", "{", "}"], [2], 1)
+    guard = LoopGuard(LoopGuardSettings(closing_margin=24, max_tokens=40))  # margin 4, not 24
+    guard.observe(1)  # one bracket open
+    while len(guard.tokens) < 34:
+        guard.observe(0)
+        assert not guard.near_limit(escapes)
+    guard.observe(0)  # 5 tokens left: 4 + 1 open bracket
+    assert guard.near_limit(escapes) and guard.closing
+
+
+def test_free_text_before_the_answer_is_never_steered(parts, hf_tokenizer):
+    """A reasoning section's thinking is free text (words and raw newlines, unlike a JSON string):
+    near the length limit and looping, its masks stay the grammar's own."""
+    from llgtrt_core.constraints.reasoning_grammar import reasoning_grammar
+
+    compiler, processor = parts
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    grammar = reasoning_grammar("<think>", "</think>", 400, json_schema_grammar(schema), {})
+    compiled = asyncio.run(compiler.compile(grammar))
+    guarded = compiler.new_constraint(compiled, loop_guard=LoopGuardSettings(max_tokens=60))
+    plain = compiler.new_constraint(compiled)
+    thinking = "<think>" + 'He said "no", then\n' * 40
+    token = None
+    for next_token in hf_tokenizer.encode(thinking, add_special_tokens=False)[:59]:
+        masks = processor.fill([ConstrainedRow(guarded, 0, token), ConstrainedRow(plain, 1, token)])
+        assert masks[0].equal(masks[1])
+        token = next_token
+    # Near the limit and looping: the limit is checked while a loop's escape is pending too.
+    assert guarded.loop_guard.closing and guarded.loop_guard.escaping
+

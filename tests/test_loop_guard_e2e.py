@@ -35,9 +35,27 @@ def test_an_integer_that_looped_now_ends_valid(server, fields) -> None:
     jsonschema.validate(json.loads(choice["message"]["content"]), POPULATION)
 
 
+NUMBERS = {"type": "object", "properties": {"numbers": {"type": "array", "items": {"type": "integer"}}},
+           "required": ["numbers"], "additionalProperties": False}
+
+
+def test_an_array_of_ever_new_items_closes_before_max_tokens(server) -> None:
+    """1, 2, 3, ... repeats no period: only the loop guard's length limit ends it, the same answer
+    until the tokens left get short."""
+    body = dict(messages=[{"role": "user", "content": "List every integer from 1 to 1000."}], max_tokens=60,
+                response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": NUMBERS}})
+    unguarded = chat(server, **body, loop_guard=False)
+    assert unguarded["choices"][0]["finish_reason"] == "length"
+    guarded = chat(server, **body)
+    choice = guarded["choices"][0]
+    assert choice["finish_reason"] == "stop" and guarded["usage"]["completion_tokens"] <= 60
+    jsonschema.validate(json.loads(choice["message"]["content"]), NUMBERS)
+    assert unguarded["choices"][0]["message"]["content"].startswith(choice["message"]["content"][:30])
+
+
 def test_required_tool_calls_end_when_a_call_repeats(server) -> None:
     body = dict(messages=QUESTION, tools=TOOLS, tool_choice="required", max_tokens=200)
-    repeating = chat(server, **body, stop_repeated_tool_calls=False)["choices"][0]
+    repeating = chat(server, **body, stop_repeated_tool_calls=False, loop_guard=False)["choices"][0]
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in repeating["message"]["tool_calls"]]
     assert repeating["finish_reason"] == "length" and len(set(calls[:-1])) < len(calls[:-1])
     choice = chat(server, **body)["choices"][0]

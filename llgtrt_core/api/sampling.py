@@ -41,9 +41,10 @@ def check_request(request: ApiRequest, runtime: ModelRuntime) -> None:
     check_request_size(request, runtime.limits)
 
 
-async def make_constraint(request: ApiRequest, runtime: ModelRuntime,
-                          grammar: Optional[RequestGrammar] = None) -> Optional[Constraint]:
-    """The one place requests meet the grammar compiler (a fresh constraint for every choice).
+async def make_constraint(request: ApiRequest, runtime: ModelRuntime, grammar: Optional[RequestGrammar] = None,
+                          max_tokens: Optional[int] = None) -> Optional[Constraint]:
+    """The one place requests meet the grammar compiler (a fresh constraint for every choice of at
+    most `max_tokens`).
 
     `grammar`, when given (tool calling), replaces the one the request's own fields ask for.
     """
@@ -51,8 +52,8 @@ async def make_constraint(request: ApiRequest, runtime: ModelRuntime,
         if grammar is not None:
             compiled = await runtime.grammars.compile(grammar.grammar, grammar.param)
             return runtime.grammars.new_constraint(compiled, grammar.param,
-                                                   loop_guard=runtime.grammars.loop_guard_for(request))
-        return await runtime.grammars.constraint_for_request(request)
+                                                   loop_guard=runtime.grammars.loop_guard_for(request, max_tokens))
+        return await runtime.grammars.constraint_for_request(request, max_tokens)
     except GrammarRequestError as e:  # bad schema / grammar: llguidance says what is wrong
         raise APIError(str(e), param=e.param) from e
 
@@ -161,9 +162,9 @@ async def _engine_requests(request: ApiRequest, runtime: ModelRuntime, prompts: 
                 logprobs_mode=request.logprobs_mode,
                 dry=dry,
             )
-            constraint = await make_constraint(request, runtime, grammar)
+            constraint = await make_constraint(request, runtime, grammar, max_tokens)
             if constraint is not None:
-                sampling = dataclasses.replace(sampling, loop_guard=runtime.grammars.loop_guard_for(request))
+                sampling = dataclasses.replace(sampling, loop_guard=runtime.grammars.loop_guard_for(request, max_tokens))
             planned.append(GenerationRequest(f"{request_id}-{index}", prompt_ids, sampling, constraint))
     return planned
 

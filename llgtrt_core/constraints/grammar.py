@@ -156,7 +156,8 @@ class GrammarCompiler:
         return cls(ll_tokenizer, limits=dataclasses.asdict(guidance.limits), cache_size=guidance.grammar_cache_size,
                    max_workers=guidance.compile_threads, log_level=guidance.log_level,
                    json_whitespace_flexible=guidance.whitespace_flexible,
-                   loop_guard=LoopGuardSettings(guidance.loop_guard.min_span, guidance.loop_guard.min_repeats),
+                   loop_guard=LoopGuardSettings(guidance.loop_guard.min_span, guidance.loop_guard.min_repeats,
+                                                guidance.loop_guard.closing_margin),
                    loop_guard_by_default=guidance.loop_guard.enabled,
                    number_bounds=NumberBounds(bounds.integer_digits, bounds.fraction_digits) if bounds.enabled else None)
 
@@ -195,18 +196,21 @@ class GrammarCompiler:
             raise GrammarRequestError(param, result.message)
         return result
 
-    async def constraint_for_request(self, request: Any) -> Optional[GrammarConstraint]:
+    async def constraint_for_request(self, request: Any, max_tokens: Optional[int] = None) -> Optional[GrammarConstraint]:
         """The request's fresh constraint, None when unconstrained; GrammarRequestError -> 400."""
         found = request_grammar(request, self.json_whitespace_flexible, self.number_bounds)
         if found is None:
             return None
         return self.new_constraint(await self.compile(found.grammar, found.param), found.param,
-                                   loop_guard=self.loop_guard_for(request))
+                                   loop_guard=self.loop_guard_for(request, max_tokens))
 
-    def loop_guard_for(self, request: Any) -> Optional[LoopGuardSettings]:
-        """The request's `loop_guard` (true / false / null: the server default); None when off."""
+    def loop_guard_for(self, request: Any, max_tokens: Optional[int] = None) -> Optional[LoopGuardSettings]:
+        """The request's `loop_guard` (true / false / null: the server default) for an answer of at
+        most `max_tokens`; None when off."""
         wanted = getattr(request, "loop_guard", None)
-        return self.loop_guard if (self.loop_guard_by_default if wanted is None else wanted) else None
+        if not (self.loop_guard_by_default if wanted is None else wanted):
+            return None
+        return dataclasses.replace(self.loop_guard, max_tokens=max_tokens)
 
     def new_constraint(self, compiled: CompiledGrammar, param: Optional[str] = None, *,
                        loop_guard: Optional[LoopGuardSettings] = None) -> GrammarConstraint:

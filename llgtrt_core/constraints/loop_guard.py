@@ -13,8 +13,16 @@ things (`EscapeMasks`), and only when that leaves something allowed; otherwise i
 step where it does. A loop inside a string or a number (no JSON punctuation in its period) is
 left by one token that ends the value (`"`, `,`, `]`, `}` or EOS, alone or together); a loop
 over items or keys by one that closes a container (`]`, `}`, maybe after a `"`) or EOS. Once a
-steered token is taken the guard watches again from scratch. An answer that never repeats that
-long is never touched: its masks are the grammar's own.
+steered token is taken the guard watches again from scratch.
+
+What no period check sees (items that differ a little each time, a recursion that opens the same
+object again, a string that never closes, an array of ever new items) is caught by the length
+limit: once the tokens left of `max_tokens` are `closing_margin` (at most a tenth of
+`max_tokens`) plus one per open bracket, every
+step is steered the way a value loop is left, to the nearest ending the grammar allows (close
+the string, then the containers, `,` only where a required key or item must come first), so
+the document closes before the limit. An answer that never repeats that long and ends before
+that point is never touched: its masks are the grammar's own.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ class LoopGuard:
     """One sequence's rolling loop check. Plain state (picklable); `observe` is O(1) amortized."""
 
     __slots__ = ("settings", "tokens", "_last_seen", "_period", "_run", "escaping", "_structural", "_depth",
-                 "_floor", "_seen")
+                 "_floor", "_seen", "closing", "_open", "_counted")
 
     def __init__(self, settings: LoopGuardSettings = LoopGuardSettings()) -> None:
         self.settings = settings
@@ -48,6 +56,8 @@ class LoopGuard:
         # While escaping a loop over items or keys: the bracket depth now and the loop's lowest,
         # both relative to where the loop was found, and the tokens counted in `_depth` so far.
         self._depth = self._floor = self._seen = 0
+        self.closing = False  # the length limit is near: every step steers to the nearest ending
+        self._open, self._counted = 0, 0  # brackets open over all tokens, from the first `_counted`
 
     def observe(self, token: int) -> None:
         position = len(self.tokens)
@@ -69,6 +79,25 @@ class LoopGuard:
         for token in tokens:
             self.observe(token)
 
+    def near_limit(self, escapes: "EscapeMasks") -> bool:
+        """Whether the tokens left of `max_tokens` are down to the margin plus the open brackets
+        (from then on, for good). O(1) amortized: brackets are counted once per token, and only
+        once the tokens not counted yet could have opened enough of them to matter."""
+        if self.closing:
+            return True
+        limit = self.settings.max_tokens
+        if limit is None:
+            return False
+        # A short answer keeps most of its room: the margin is at most a tenth of it.
+        margin = min(self.settings.closing_margin, limit // 10)
+        left, uncounted = limit - len(self.tokens), len(self.tokens) - self._counted
+        if left > margin + max(self._open, 0) + escapes.most_opened * uncounted:
+            return False
+        self._open += sum(escapes.depth_delta[t] for t in self.tokens[self._counted:])
+        self._counted = len(self.tokens)
+        self.closing = left <= margin + max(self._open, 0)
+        return self.closing
+
     def period_tokens(self) -> list[int]:
         return self.tokens[len(self.tokens) - self._period:]
 
@@ -76,7 +105,10 @@ class LoopGuard:
         """While escaping: narrow the host int32 `mask` row in place to the first escape class the
         grammar allows a token of here; True when it did. A loop in a value is over once a token
         ending the value is taken; a loop over items or keys once the container it ran in is closed
-        (the bracket depth below the lowest of its period)."""
+        (the bracket depth below the lowest of its period). Near the length limit every step is
+        steered as out of a value loop, to the nearest ending."""
+        if self.closing:
+            return _narrow(mask, escapes.classes(mask, structural=False)) is not None
         if self._structural is None:
             self._start_escape(escapes)
         if self._structural:
@@ -85,14 +117,12 @@ class LoopGuard:
             if self._depth < self._floor:
                 self._stop_escape()
                 return False
-        for escape, ends_loop in escapes.classes(mask, bool(self._structural)):
-            narrowed = mask & escape
-            if bool(narrowed.any()):
-                mask.copy_(narrowed)
-                if ends_loop and not self._structural:
-                    self._stop_escape()
-                return True
-        return False  # nothing of the classes allowed here: try again next step
+        ends_loop = _narrow(mask, escapes.classes(mask, bool(self._structural)))
+        if ends_loop is None:
+            return False  # nothing of the classes allowed here: try again next step
+        if ends_loop and not self._structural:
+            self._stop_escape()
+        return True
 
     def _start_escape(self, escapes: "EscapeMasks") -> None:
         period = self.period_tokens()
@@ -114,7 +144,9 @@ class EscapeMasks:
 
     Whether a row is inside a JSON string is read off its mask: only there does the grammar
     allow plain words. Inside, a value ends with a token opening with the closing quote
-    (`"`, `",`, `"]`, `"}`, ...); outside, with `,`, `]`, `}` (made of these only) or EOS.
+    (`"`, `",`, `"]`, `"}`, ...); outside, with `,`, `]`, `}` (made of these only) or EOS. Free
+    text (a reasoning section before the answer, a grammar's free-text rule) allows words and a
+    raw newline, which no JSON string does: there nothing is steered.
     """
 
     def __init__(self, token_texts: Sequence[str], eos_tokens: Sequence[int], words: int) -> None:
@@ -126,7 +158,9 @@ class EscapeMasks:
         # Brackets opened minus closed by each token (inside strings too: close enough for a loop).
         self.depth_delta = [text.count("{") + text.count("[") - text.count("}") - text.count("]")
                             for text in token_texts]
+        self.most_opened = max(self.depth_delta, default=0)
         self.words = _mask_row([t for t, text in enumerate(token_texts) if _is_word(text)], words)
+        self.newlines = _mask_row([t for t, text in enumerate(token_texts) if "\n" in text], words)
         self.string_enders = _mask_row(string_enders, words)
         self.string_closers = _mask_row([t for t in string_enders if _CONTAINER_CLOSERS & set(stripped[t])], words)
         self.value_enders = _mask_row([*value_enders, *eos_tokens], words)
@@ -145,7 +179,9 @@ class EscapeMasks:
     def classes(self, mask: torch.Tensor, structural: bool) -> list[tuple[torch.Tensor, bool]]:
         """The escape classes to try at this mask, in order, each with whether taking it ends a
         loop in a value."""
-        if bool((mask & self.words).any()):  # inside a string
+        if bool((mask & self.words).any()):  # inside a string, or free text
+            if bool((mask & self.newlines).any()):
+                return []
             return [(self.string_closers, True), (self.string_enders, True)]
         if structural:
             return [(self.container_closers, True)]
@@ -164,8 +200,19 @@ def steer_loops(rows: Sequence[ConstrainedRow], masks: torch.Tensor, escapes: Es
             continue
         if row.new_token is not None:
             guard.observe(row.new_token)
-        if guard.escaping:
+        if guard.near_limit(escapes) or guard.escaping:  # the limit first: an escape may never end
             guard.steer(masks[j], escapes)
+
+
+def _narrow(mask: torch.Tensor, classes: list[tuple[torch.Tensor, bool]]) -> Optional[bool]:
+    """Narrow `mask` in place to the first class the grammar allows a token of; that class's
+    ends-a-value-loop flag, or None when no class has an allowed token (the mask is left)."""
+    for escape, ends_loop in classes:
+        narrowed = mask & escape
+        if bool(narrowed.any()):
+            mask.copy_(narrowed)
+            return ends_loop
+    return None
 
 
 def _made_of(text: str, chars: frozenset) -> bool:
