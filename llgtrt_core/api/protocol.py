@@ -401,15 +401,21 @@ class CompletionRequest(SamplingFields, ConstraintFields):
 # --------------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(OpenAIResponseModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(OpenAIResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None  # None: the engine does not say
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> UsageInfo:
+        details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
 
 class TopLogprob(OpenAIResponseModel):
