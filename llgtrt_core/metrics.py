@@ -129,7 +129,7 @@ requests_rejected = Counter("llgtrt:requests_rejected", "HTTP requests refused b
                             ["reason"])
 
 
-def record_engine_state(running: int, waiting: int, kv_usage: float, cached_blocks: int = 0) -> None:
+def record_engine_state(running: int, waiting: int, kv_usage: float, cached_blocks: int) -> None:
     requests_running.set(running)
     requests_waiting.set(waiting)
     kv_cache_usage.set(kv_usage)
