@@ -105,13 +105,13 @@ async def conversation(client: httpx.AsyncClient, url: str, model: str, system: 
 
 
 def agent_workload(seed: int, args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    rng = random.Random(seed)
+    rng = random.Random(f"agent {seed}")  # not the control's draws: its first prompt would start the same
     system = system_prompt(rng, args.system_tokens)
     return [(system, [user_turn(rng) for _ in range(args.turns)]) for _ in range(args.conversations)]
 
 
 def control_workload(seed: int, args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    rng = random.Random(seed)
+    rng = random.Random(f"control {seed}")
     return [(system_prompt(rng, args.control_tokens), [user_turn(rng)])
             for _ in range(args.conversations * args.turns)]
 
@@ -180,9 +180,14 @@ def servers(args: argparse.Namespace) -> Iterator[dict[str, str]]:
             config = folder / f"{label}.json5"
             config.write_text(json.dumps({"runtime": runtime}))
             env = {**http_load.server_env(args), "LLGTRT_CONFIG": str(config)}
+            # A BentoML home of its own (the model store shared): BentoML keeps /metrics's multiprocess
+            # files under the home, and a server starting clears them.
+            home = folder / f"{label}-home"
+            home.mkdir()
+            args.bentoml_home.joinpath("models").mkdir(parents=True, exist_ok=True)
+            (home / "models").symlink_to(args.bentoml_home.resolve() / "models")
             print(f"starting the cache-{label} server (log {folder / label}.log) ...", flush=True)
-            urls[label] = stack.enter_context(bentoml_serve(".", args.bentoml_home, folder / f"{label}.log",
-                                                            env=env)).url
+            urls[label] = stack.enter_context(bentoml_serve(".", home, folder / f"{label}.log", env=env)).url
         yield urls
 
 
