@@ -23,10 +23,11 @@ MAX_MODEL_LEN = 256
 RETRY_AFTER_S = 2
 # A template trying to reach Python's internals from the sandbox (classic template injection).
 def test_prefix_cache_counters_follow_the_cached_tokens(prod: BentoServer) -> None:
-    """The same 40-odd-token prompt twice: both lookups count every prompt token, and the second one's
+    """The same 50-odd-token prompt twice: both lookups count every prompt token, and the second one's
     hits are the cached tokens its usage reports."""
-    body = completion("Once upon a time, in a village by the sea, there lived an old fisherman who "
-                      "told stories to the children every evening at sunset,", max_tokens=1)
+    body = completion("Once upon a time, in a village by the sea, there lived an old fisherman who told "
+                      "stories to the children every evening at sunset, about storms, whales, lost ships "
+                      "and the lighthouse keeper who never slept,", max_tokens=1)
     before = _samples(prod)
     usages = [httpx.post(f"{prod.url}/v1/completions", json=body, headers=AUTH, timeout=60).json()["usage"]
               for _ in range(2)]
