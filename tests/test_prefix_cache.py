@@ -8,6 +8,7 @@ import asyncio
 import os
 from typing import Optional
 
+import httpx
 import pytest
 
 from llgtrt_core.engine.interface import GenerationRequest, SamplingParams
@@ -180,9 +181,10 @@ def test_eviction_under_memory_pressure_takes_the_least_recently_used_prefix(eng
         assert results[n][0] == results[order.index(i)][0]
 
 
-def test_usage_reports_cached_prompt_tokens(openai_client, served_model) -> None:
+def test_usage_reports_cached_prompt_tokens(server, openai_client, served_model) -> None:
     """The same system prompt twice (chat, streamed chat, completions, responses): the later calls report
-    the cached prompt tokens as OpenAI does, in whole 16-token blocks, fewer than the prompt."""
+    the cached prompt tokens as OpenAI does, in whole 16-token blocks, fewer than the prompt; /v1/engine/stats
+    counts them."""
     system = SYSTEM.replace("bicycle", "kayak")  # cold on this session's server
     messages = [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[0]}]
     first = openai_client.chat.completions.create(model=served_model, messages=messages, max_tokens=2, temperature=0)
@@ -211,3 +213,6 @@ def test_usage_reports_cached_prompt_tokens(openai_client, served_model) -> None
     # The first one shares the chat calls' system prompt (the instructions) at most.
     assert 0 < responses[0].usage.input_tokens_details.cached_tokens < full
     assert responses[1].usage.input_tokens_details.cached_tokens == full
+
+    stats = httpx.get(f"{server}/v1/engine/stats", timeout=10).json()["prefix_cache"]
+    assert stats["hits"] >= second.usage.prompt_tokens_details.cached_tokens + full and stats["cached_blocks"] > 0

@@ -563,11 +563,21 @@ class StepPhaseStats(OpenAIResponseModel):
     cpu_s: float  # CPU time of the thread that ran the phase; wall - cpu: waits (GPU, other threads, GIL)
 
 
+class PrefixCacheStats(OpenAIResponseModel):
+    """The embedded engine's prefix cache (llgtrt_core/engine/block_manager.py)."""
+
+    queries: int  # prompt tokens looked up
+    hits: int  # of those, found
+    cached_blocks: int  # blocks holding a cached prefix now
+    evictions: int  # cached blocks taken for new KV
+
+
 class EngineStats(OpenAIResponseModel):
     num_active: int  # engine requests submitted and not yet finished
     num_steps: Optional[int] = None  # the embedded engine's steps so far
     num_mixed_steps: Optional[int] = None  # of those, steps that decoded and prefilled in one forward pass
     step_phases: dict[str, StepPhaseStats] = {}  # totals per phase of its step loop (llgtrt_core/engine/step_profile.py)
+    prefix_cache: Optional[PrefixCacheStats] = None
 
 
 # --------------------------------------------------------------------------- tokenize (vLLM's shapes)
