@@ -9,11 +9,11 @@ KV memory is handed out in blocks as sequences grow (`kv_cache.py`). With prefix
 from there; a sequence's full blocks join the cache as they are computed (a prompt's after each
 prefill chunk, by the engine; generated ones when the sequence leaves its row), so a preempted
 sequence usually finds its own blocks again. A request asking for prompt logprobs computes its
-whole prompt. A waiting request is admitted when its prompt's blocks are free, with room to spare for the running sequences'
-growth while it is prefilled; when a running sequence needs a block and none is free, the most
-recently admitted sequence is preempted: its blocks are freed and it waits at the head of the
-queue to be recomputed (its prompt and every token it has emitted prefilled again; nothing is
-emitted twice).
+whole prompt. A waiting request is admitted when its prompt's blocks are free (cached ones
+count), with room to spare for the running sequences' growth while it is prefilled; when a
+running sequence needs a block and none is free, the most recently admitted sequence is
+preempted: its blocks are freed and it waits at the head of the queue to be recomputed (its
+prompt and every token it has emitted prefilled again; nothing is emitted twice).
 
 With `prefill_chunk_tokens` set, a step prefills at most that many prompt tokens: a longer
 prompt is prefilled a chunk per step while the running rows keep decoding. That prompt is the
