@@ -10,6 +10,7 @@ from typing import Optional
 
 import httpx
 import pytest
+import torch
 
 from llgtrt_core.engine.interface import GenerationRequest, SamplingParams
 from llgtrt_core.engine.torch_engine import TorchEngine
@@ -46,13 +47,17 @@ def greedy(**extra) -> SamplingParams:
     return SamplingParams(**{"max_tokens": 10, "temperature": 0.0, "stop_token_ids": EOS, "logprobs": 2, **extra})
 
 
-@pytest.mark.parametrize(("overlap_steps", "chunk"), [(False, None), (True, 8)])
+@pytest.mark.parametrize(("device", "overlap_steps", "chunk"), [
+    ("cpu", False, None), ("cpu", True, 8),
+    pytest.param("cuda", None, None, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
 def test_a_cached_prefix_gives_what_a_full_prefill_gives(engine_factory, ll_tokenizer, tokenizer,  # noqa: F811
-                                                          overlap_steps: bool, chunk: Optional[int]) -> None:
+                                                          device: str, overlap_steps: Optional[bool],
+                                                          chunk: Optional[int]) -> None:
     """Three questions after one system prompt, then a JSON-schema request (its grammar forces tokens
     after the prompt) and one asking for prompt logprobs: with the cache, each question after the first
     prefills only past the system prompt's cached blocks, and every answer has the tokens and logprobs
-    of the engine without a cache; the prompt-logprobs request computes its whole prompt."""
+    of the engine without a cache; the prompt-logprobs request computes its whole prompt. On CUDA:
+    float32, CUDA graphs and overlapped steps (the engine's defaults there)."""
     from llgtrt_core.constraints import GrammarCompiler
     from llgtrt_core.constraints.request_grammar import json_schema_grammar
 
@@ -62,8 +67,8 @@ def test_a_cached_prefix_gives_what_a_full_prefill_gives(engine_factory, ll_toke
 
     async def scenario(prefix_caching: bool):
         compiler = GrammarCompiler(ll_tokenizer)
-        engine = engine_factory(constrained=True, prefix_caching=prefix_caching, overlap_steps=overlap_steps,
-                                prefill_chunk_tokens=chunk)
+        engine = engine_factory(constrained=True, device=device, dtype="float32", prefix_caching=prefix_caching,
+                                overlap_steps=overlap_steps, prefill_chunk_tokens=chunk)
         await engine.start()
         try:
             grammar = await compiler.compile(json_schema_grammar(schema))
