@@ -14,7 +14,8 @@ import torch
 
 from llgtrt_core.engine.interface import GenerationRequest, SamplingParams
 from llgtrt_core.engine.torch_engine import TorchEngine
-from test_torch_engine import EOS, assert_logprobs_match, engine_factory, ll_tokenizer, tokenizer  # noqa: F401
+from test_torch_engine import (BATCH_EXACT_CPU, EOS, assert_logprobs_match, engine_factory,  # noqa: F401
+                               ll_tokenizer, tokenizer)
 
 SYSTEM = ("You are the support assistant of a bicycle shop. You answer questions about repairs, opening hours, "
           "prices and orders. Be friendly and brief. The shop opens at nine and closes at six, every day but "
@@ -110,7 +111,7 @@ def test_requests_running_at_once_share_their_prefix(engine_factory, tokenizer) 
     later = [GenerationRequest(f"q{i}", p, greedy()) for i, p in enumerate(prompts[1:], 1)]
 
     async def together():
-        engine = engine_factory(max_batch_size=4)
+        engine = engine_factory(**BATCH_EXACT_CPU, max_batch_size=4)
         await engine.start()
         try:
             events: list[str] = []
@@ -140,7 +141,7 @@ def test_requests_running_at_once_share_their_prefix(engine_factory, tokenizer) 
             await engine.shutdown()
 
     async def alone():
-        engine = engine_factory(prefix_caching=False)
+        engine = engine_factory(**BATCH_EXACT_CPU, prefix_caching=False)
         await engine.start()
         try:
             return [await collect(engine, r) for r in later]
@@ -165,7 +166,7 @@ def test_eviction_under_memory_pressure_takes_the_least_recently_used_prefix(eng
     prompts = [prompt(tokenizer, QUESTIONS[0], system) for system in systems]
 
     async def scenario():
-        engine = engine_factory(max_batch_size=2, max_model_len=128, kv_cache_max_tokens=128)
+        engine = engine_factory(**BATCH_EXACT_CPU, max_batch_size=2, max_model_len=128, kv_cache_max_tokens=128)
         await engine.start()
         try:
             order = [0, 0, 1, 2, 2, 0]
