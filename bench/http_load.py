@@ -78,6 +78,8 @@ class StreamResult:
     tokens: int = 0  # usage.completion_tokens (0 when the stream broke before it)
     finish_reason: Optional[str] = None
     chunk_times: list[float] = field(default_factory=list)  # time.perf_counter of each content chunk
+    text: str = ""  # the streamed content
+    cached_tokens: Optional[int] = None  # usage.prompt_tokens_details.cached_tokens, when the server says
 
 
 async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> StreamResult:
@@ -102,9 +104,11 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any])
                     return result
                 if event.get("usage"):
                     result.tokens = event["usage"]["completion_tokens"]
+                    result.cached_tokens = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
                 for choice in event.get("choices", ()):
                     result.finish_reason = choice.get("finish_reason") or result.finish_reason
                     if choice.get("delta", {}).get("content"):
+                        result.text += choice["delta"]["content"]
                         now = time.perf_counter()
                         if result.ttft is None:
                             result.ttft = now - start

@@ -57,7 +57,9 @@ class RuntimeConfig:
     kv_cache_max_tokens: Optional[int] = option(None, "Upper bound on KV-cache tokens; null: as many as the memory "
                                                       "fraction holds (PyTorch engine on cpu: the cache grows as "
                                                       "needed).")
-    enable_kv_cache_reuse: bool = option(True, "TensorRT-LLM: reuse the KV cache of shared prompt prefixes.")
+    enable_kv_cache_reuse: bool = option(True, "Prefix caching: keep the KV cache of prompt prefixes after their "
+                                               "requests end and reuse it for prompts that start the same way "
+                                               "(both engines).")
     tensor_parallel_size: int = option(1, "TensorRT-LLM: GPUs one model is split over; above 1 its executor runs in "
                                           "MPI worker processes (docs/tensorrt-llm.md, multi-GPU).")
     device: Optional[str] = option(None, "PyTorch engine: torch device; null: cuda when available, else cpu. "

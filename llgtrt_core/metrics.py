@@ -48,6 +48,12 @@ e2e_request_latency = Histogram("llgtrt:e2e_request_latency_seconds", "From subm
                                 buckets=_LATENCY_BUCKETS)
 preemptions = Counter("llgtrt:num_preemptions", "Running sequences whose KV blocks were taken back for others "
                       "(recomputed later).")
+# vLLM's names; counted in tokens, so hits / queries is the share of prompt tokens not computed.
+prefix_cache_queries = Counter("llgtrt:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+prefix_cache_hits = Counter("llgtrt:prefix_cache_hits", "Prompt tokens found in the prefix cache (their KV reused, "
+                            "not computed).")
+prefix_cache_blocks = Gauge("llgtrt:prefix_cache_blocks", "KV-cache blocks holding a cached prompt prefix, in use "
+                            "or evictable.", multiprocess_mode="livesum")
 request_queue_time = Histogram("llgtrt:request_queue_time_seconds", "Time waiting for a batch slot.",
                                buckets=_LATENCY_BUCKETS)
 
@@ -123,10 +129,16 @@ requests_rejected = Counter("llgtrt:requests_rejected", "HTTP requests refused b
                             ["reason"])
 
 
-def record_engine_state(running: int, waiting: int, kv_usage: float) -> None:
+def record_engine_state(running: int, waiting: int, kv_usage: float, cached_blocks: int) -> None:
     requests_running.set(running)
     requests_waiting.set(waiting)
     kv_cache_usage.set(kv_usage)
+    prefix_cache_blocks.set(cached_blocks)
+
+
+def record_prefix_lookup(queried_tokens: int, hit_tokens: int) -> None:
+    prefix_cache_queries.inc(queried_tokens)
+    prefix_cache_hits.inc(hit_tokens)
 
 
 class MeteredEngine(Engine):

@@ -22,6 +22,25 @@ MAX_REQUEST_BYTES = 16384
 MAX_MODEL_LEN = 256
 RETRY_AFTER_S = 2
 # A template trying to reach Python's internals from the sandbox (classic template injection).
+def test_prefix_cache_counters_follow_the_cached_tokens(prod: BentoServer) -> None:
+    """The same 50-odd-token prompt twice: both lookups count every prompt token, and the second one's
+    hits are the cached tokens its usage reports."""
+    body = completion("Once upon a time, in a village by the sea, there lived an old fisherman who told "
+                      "stories to the children every evening at sunset, about storms, whales, lost ships "
+                      "and the lighthouse keeper who never slept,", max_tokens=1)
+    before = _samples(prod)
+    usages = [httpx.post(f"{prod.url}/v1/completions", json=body, headers=AUTH, timeout=60).json()["usage"]
+              for _ in range(2)]
+    cached = usages[1]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (usages[1]["prompt_tokens"] - 1) // 16 * 16 >= 32
+    after = _samples_once_grown(prod, before, {"llgtrt:prefix_cache_queries_total": 2 * usages[0]["prompt_tokens"]})
+    assert after["llgtrt:prefix_cache_queries_total"] - before.get("llgtrt:prefix_cache_queries_total", 0) == (
+        2 * usages[0]["prompt_tokens"])
+    hits = after["llgtrt:prefix_cache_hits_total"] - before.get("llgtrt:prefix_cache_hits_total", 0)
+    assert hits == usages[0]["prompt_tokens_details"]["cached_tokens"] + cached
+    assert after["llgtrt:prefix_cache_blocks"] >= cached // 16
+
+
 HOSTILE_TEMPLATE = "{{ cycler.__init__.__globals__.os.popen('id').read() }}{{ messages[0].content }}"
 
 

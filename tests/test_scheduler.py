@@ -124,10 +124,10 @@ def test_removing_a_row_moves_the_last_into_the_hole():
     for i in range(3):
         h.add(f"r{i}", 4)
     h.run_plan()
-    blocks_of_last = h.cache._tables[2]
+    blocks_of_last = list(h.cache.blocks.blocks(2))
     h.scheduler.remove(0)
     assert [s.request_id for s in h.scheduler.running] == ["r2", "r1"]
-    assert h.moved == [(2, 0)] and h.cache._tables[0] == blocks_of_last and h.cache.blocks_held(2) == 0
+    assert h.moved == [(2, 0)] and h.cache.blocks.blocks(0) == blocks_of_last and h.cache.blocks_held(2) == 0
     h.scheduler.remove(1)  # the last row: nothing moves
     assert [s.request_id for s in h.scheduler.running] == ["r2"] and h.moved == [(2, 0)]
 

@@ -100,14 +100,13 @@ class _ChatWriter(DoneTerminatedWriter):
                                              logprobs=chat_logprobs(runtime, r.token_ids, r.logprobs))
                 for i, r in enumerate(results)
             ],
-            usage=UsageInfo.of(generation.prompt_tokens, completion_tokens(results)),
+            usage=UsageInfo.of(generation.prompt_tokens, completion_tokens(results), generation.cached_tokens),
         ).model_dump()
 
     def events(self, generation: Generation) -> AsyncIterator[str]:
         options = self.plan.request.stream_options
         include_usage = options is not None and options.include_usage
-        return _stream(generation.updates, generation.response_id, self.runtime, self.outputs, self.splitters,
-                       generation.prompt_tokens, include_usage)
+        return _stream(generation, self.runtime, self.outputs, self.splitters, include_usage)
 
 
 def _message(tools: Optional[ChoiceToolOutput], splitter: Optional[ReasoningSplitter], text: str) -> ChatMessage:
@@ -130,10 +129,10 @@ def _finish_reason(tools: Optional[ChoiceToolOutput], finish_reason: Optional[st
     return finish_reason if tools is None else tools.finish_reason(finish_reason)
 
 
-async def _stream(updates: AsyncIterator[ChoiceUpdate], response_id: str, runtime: ModelRuntime,
-                  tools: list[Optional[ChoiceToolOutput]], splitters: list[Optional[ReasoningSplitter]],
-                  prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(generation: Generation, runtime: ModelRuntime, tools: list[Optional[ChoiceToolOutput]],
+                  splitters: list[Optional[ReasoningSplitter]], include_usage: bool) -> AsyncIterator[str]:
     """`tools[i]` parses choice i's calls (None: plain text); `splitters[i]` its thinking (None: none)."""
+    updates, response_id = generation.updates, generation.response_id
     created = now()
     num_choices = len(tools)
     model = runtime.model_name
@@ -164,6 +163,7 @@ async def _stream(updates: AsyncIterator[ChoiceUpdate], response_id: str, runtim
             yield sse_event(chunk([ChatCompletionResponseStreamChoice(
                 index=update.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)]))
         if include_usage:
-            yield sse_event(chunk([], UsageInfo.of(prompt_tokens, sum(completion_tokens))))
+            yield sse_event(chunk([], UsageInfo.of(generation.prompt_tokens, sum(completion_tokens),
+                                                   generation.cached_tokens)))
     finally:
         await close_quietly(updates)

@@ -8,7 +8,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from llgtrt_core.api.errors import APIError
-from llgtrt_core.api.generation import ChoiceResult, ChoiceUpdate, close_quietly
+from llgtrt_core.api.generation import ChoiceResult, close_quietly
 from llgtrt_core.api.logprobs import CompletionLogprobsBuilder, mean_logprob, token_texts
 from llgtrt_core.api.prompts import completion_prompt_ids
 from llgtrt_core.api.protocol import (
@@ -110,20 +110,20 @@ class _CompletionWriter(DoneTerminatedWriter):
             choices.append(CompletionResponseChoice(index=index, text=text, logprobs=logprobs,
                                                     finish_reason=result.finish_reason))
         return CompletionResponse(id=generation.response_id, model=self.runtime.model_name, choices=choices,
-                                  usage=UsageInfo.of(generation.prompt_tokens, completion_tokens(results))
+                                  usage=UsageInfo.of(generation.prompt_tokens, completion_tokens(results),
+                                                     generation.cached_tokens)
                                   ).model_dump()
 
     def events(self, generation: Generation) -> AsyncIterator[str]:
         options = self.request.stream_options
         include_usage = options is not None and options.include_usage
-        return _stream(generation.updates, generation.response_id, self.request, self.runtime, generation.prompts,
-                       generation.prompt_tokens, include_usage)
+        return _stream(generation, self.request, self.runtime, include_usage)
 
 
-async def _stream(updates: AsyncIterator[ChoiceUpdate], response_id: str, request: CompletionRequest,
-                  runtime: ModelRuntime, prompts: list[list[int]], prompt_tokens: int,
+async def _stream(generation: Generation, request: CompletionRequest, runtime: ModelRuntime,
                   include_usage: bool) -> AsyncIterator[str]:
     """Streamed choices (best_of == n here): prompt p serves choices p*n .. p*n+n-1."""
+    updates, response_id, prompts = generation.updates, generation.response_id, generation.prompts
     created = now()
 
     def chunk(choices: list[CompletionResponseChoice], usage: Optional[UsageInfo] = None) -> CompletionStreamResponse:
@@ -146,6 +146,7 @@ async def _stream(updates: AsyncIterator[ChoiceUpdate], response_id: str, reques
                 yield sse_event(chunk([CompletionResponseChoice(index=update.index, text=text, logprobs=logprobs,
                                                                 finish_reason=update.finish_reason)]))
         if include_usage:
-            yield sse_event(chunk([], UsageInfo.of(prompt_tokens, sum(completion_tokens))))
+            yield sse_event(chunk([], UsageInfo.of(generation.prompt_tokens, sum(completion_tokens),
+                                                   generation.cached_tokens)))
     finally:
         await close_quietly(updates)

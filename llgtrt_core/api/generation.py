@@ -73,6 +73,7 @@ class ChoiceUpdate:
     token_ids: Sequence[int] = ()
     logprobs: Optional[list[TokenLogprob]] = None
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    cached_tokens: Optional[int] = None  # on the update with the engine's first tokens, when it says
 
     @property
     def is_acceptance(self) -> bool:
@@ -142,6 +143,7 @@ class _PendingTokens:
         self.token_ids: list[int] = []
         self.logprobs: Optional[list[TokenLogprob]] = None
         self.prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+        self.cached_tokens: Optional[int] = None
 
     def add(self, delta: TokenDelta) -> None:
         self.token_ids += delta.token_ids
@@ -149,12 +151,14 @@ class _PendingTokens:
             self.logprobs = [*(self.logprobs or []), *delta.logprobs]
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.cached_tokens is not None:
+            self.cached_tokens = delta.cached_tokens
 
     def update(self, index: int, text: str, finish_reason: Optional[Literal["stop", "length"]],
                num_generated: int) -> ChoiceUpdate:
         update = ChoiceUpdate(index, text, finish_reason, num_generated, self.token_ids, self.logprobs,
-                              self.prompt_logprobs)
-        self.token_ids, self.logprobs, self.prompt_logprobs = [], None, None
+                              self.prompt_logprobs, self.cached_tokens)
+        self.token_ids, self.logprobs, self.prompt_logprobs, self.cached_tokens = [], None, None, None
         return update
 
 

@@ -401,15 +401,21 @@ class CompletionRequest(SamplingFields, ConstraintFields):
 # --------------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(OpenAIResponseModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(OpenAIResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None  # None: the engine does not say
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> UsageInfo:
+        details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
 
 class TopLogprob(OpenAIResponseModel):
@@ -557,11 +563,21 @@ class StepPhaseStats(OpenAIResponseModel):
     cpu_s: float  # CPU time of the thread that ran the phase; wall - cpu: waits (GPU, other threads, GIL)
 
 
+class PrefixCacheStats(OpenAIResponseModel):
+    """The embedded engine's prefix cache (llgtrt_core/engine/block_manager.py)."""
+
+    queries: int  # prompt tokens looked up
+    hits: int  # of those, found
+    cached_blocks: int  # blocks holding a cached prefix now
+    evictions: int  # cached blocks taken for new KV
+
+
 class EngineStats(OpenAIResponseModel):
     num_active: int  # engine requests submitted and not yet finished
     num_steps: Optional[int] = None  # the embedded engine's steps so far
     num_mixed_steps: Optional[int] = None  # of those, steps that decoded and prefilled in one forward pass
     step_phases: dict[str, StepPhaseStats] = {}  # totals per phase of its step loop (llgtrt_core/engine/step_profile.py)
+    prefix_cache: Optional[PrefixCacheStats] = None
 
 
 # --------------------------------------------------------------------------- tokenize (vLLM's shapes)

@@ -440,7 +440,7 @@ class _ResponsesWriter:
         if incomplete:
             response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
         response.completed_at = now()
-        response.usage = ResponseUsage.of(generation.prompt_tokens, tokens)
+        response.usage = ResponseUsage.of(generation.prompt_tokens, tokens, generation.cached_tokens)
         if self.store is not None:
             self.store.put(self.entry)  # refreshes its age
         return events

@@ -302,8 +302,9 @@ class ResponseUsage(OpenAIResponseModel):
     total_tokens: int
 
     @classmethod
-    def of(cls, input_tokens: int, output_tokens: int) -> ResponseUsage:
-        return cls(input_tokens=input_tokens, output_tokens=output_tokens, total_tokens=input_tokens + output_tokens)
+    def of(cls, input_tokens: int, output_tokens: int, cached_tokens: Optional[int] = None) -> ResponseUsage:
+        return cls(input_tokens=input_tokens, output_tokens=output_tokens, total_tokens=input_tokens + output_tokens,
+                   input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens or 0))
 
 
 class ResponseError(OpenAIResponseModel):

@@ -10,7 +10,7 @@ one JSON body. Usage, disconnects (499, engine requests aborted) and errors are 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Protocol
 
 from fastapi import Request
@@ -34,11 +34,23 @@ class Generation:
     response_id: str
     prompts: list[list[int]]
     num_choices: int
-    updates: AsyncIterator[ChoiceUpdate]
+    updates: AsyncIterator[ChoiceUpdate] = field(init=False)
+    # Per choice, its prompt tokens the engine took from its prefix cache, once the engine said.
+    choice_cached_tokens: list[Optional[int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.choice_cached_tokens = [None] * self.num_choices
 
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
+
+    @property
+    def cached_tokens(self) -> Optional[int]:
+        """Of `prompt_tokens`, those served from the engine's prefix cache, counted like them: once per
+        prompt, as its first choice saw it; None when the engine does not say."""
+        firsts = self.choice_cached_tokens[::self.num_choices // len(self.prompts)]
+        return None if None in firsts else sum(firsts)  # type: ignore[arg-type]
 
 
 class GenerationStopped(APIError):
@@ -97,21 +109,31 @@ async def start_generation(request: ApiRequest, runtime: ModelRuntime, prompts: 
     except BaseException:
         await close_quietly(updates)
         raise
-    return Generation(response_id, prompts, len(planned), _replayed(held, updates, stop))
+    generation = Generation(response_id, prompts, len(planned))
+    generation.updates = _replayed(generation, held, updates, stop)
+    return generation
 
 
-async def _replayed(held: list[ChoiceUpdate], updates: AsyncIterator[ChoiceUpdate], stop: Optional[asyncio.Event]
-                    ) -> AsyncIterator[ChoiceUpdate]:
+async def _replayed(generation: Generation, held: list[ChoiceUpdate], updates: AsyncIterator[ChoiceUpdate],
+                    stop: Optional[asyncio.Event]) -> AsyncIterator[ChoiceUpdate]:
+    """The held updates, then the rest; each choice's cached tokens noted on the way."""
     try:
         for update in held:
+            _note(generation, update)
             yield update
         async for update in updates:
             if stop is not None and stop.is_set():
                 raise GenerationStopped()
             if not update.is_acceptance:
+                _note(generation, update)
                 yield update
     finally:
         await close_quietly(updates)
+
+
+def _note(generation: Generation, update: ChoiceUpdate) -> None:
+    if update.cached_tokens is not None:
+        generation.choice_cached_tokens[update.index] = update.cached_tokens
 
 
 async def serve(raw_request: Request, runtime: ModelRuntime, request: ApiRequest, prompts: list[list[int]],

@@ -184,7 +184,7 @@ class EngineCoreClient(Engine):
                 stream = self._streams.get(row[0])
                 if stream is None:  # aborted meanwhile
                     continue
-                if row[6] and stream.constraint is not None:  # the grammar failed mid-generation
+                if row[7] and stream.constraint is not None:  # the grammar failed mid-generation
                     stream.constraint.fail(row[3] or "grammar error")
                 stream.deltas.put_nowait(row_delta(row))
         elif kind == "accepted":

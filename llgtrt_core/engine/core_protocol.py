@@ -23,10 +23,10 @@ from typing import Optional
 from llgtrt_core.config import LlguidanceConfig
 from llgtrt_core.engine.interface import TokenDelta, TokenLogprob
 
-# (request_id, token_ids, finish_reason, error, logprobs, prompt_logprobs, grammar_error): a
-# TokenDelta as a plain tuple, which pickles several times faster than the dataclass.
+# (request_id, token_ids, finish_reason, error, logprobs, prompt_logprobs, cached_tokens, grammar_error):
+# a TokenDelta as a plain tuple, which pickles several times faster than the dataclass.
 DeltaRow = tuple[str, list[int], Optional[str], Optional[str], Optional[list[TokenLogprob]],
-                 Optional[list[Optional[TokenLogprob]]], bool]
+                 Optional[list[Optional[TokenLogprob]]], Optional[int], bool]
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,10 @@ class CoreSpec:
 
 def delta_row(request_id: str, delta: TokenDelta, grammar_error: bool) -> DeltaRow:
     return (request_id, delta.token_ids, delta.finish_reason, delta.error, delta.logprobs, delta.prompt_logprobs,
-            grammar_error)
+            delta.cached_tokens, grammar_error)
 
 
 def row_delta(row: DeltaRow) -> TokenDelta:
-    _, token_ids, finish_reason, error, logprobs, prompt_logprobs, _ = row
-    return TokenDelta(token_ids, finish_reason, error, logprobs, prompt_logprobs)  # type: ignore[arg-type]
+    _, token_ids, finish_reason, error, logprobs, prompt_logprobs, cached_tokens, _ = row
+    return TokenDelta(token_ids, finish_reason, error, logprobs, prompt_logprobs,  # type: ignore[arg-type]
+                      cached_tokens)

@@ -38,7 +38,8 @@ def create_engine(
                                           prefill_chunk_tokens=runtime.prefill_chunk_tokens,
                                           mixed_prefill=runtime.mixed_prefill,
                                           kv_cache_free_gpu_memory_fraction=runtime.kv_cache_free_gpu_mem_fraction,
-                                          kv_cache_max_tokens=runtime.kv_cache_max_tokens)
+                                          kv_cache_max_tokens=runtime.kv_cache_max_tokens,
+                                          prefix_caching=runtime.enable_kv_cache_reuse)
         client = EngineCoreClient(CoreSpec(str(model_dir), engine_config, vocab_size, tuple(eos_token_ids),
                                            config.llguidance))
         grammars.on_miss = client.precompile

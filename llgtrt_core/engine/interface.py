@@ -169,6 +169,9 @@ class TokenDelta:
     logprobs: Optional[list[TokenLogprob]] = None
     # On the first delta when SamplingParams.prompt_logprobs is set: one per prompt token, None first.
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    # On the first delta with tokens (or the last), from an engine that knows: the prompt's leading
+    # tokens whose KV came from its prefix cache, not computed (usage's cached_tokens).
+    cached_tokens: Optional[int] = None
 
     def then(self, later: "TokenDelta") -> "TokenDelta":
         """This delta followed by `later`, as one: a consumer that fell behind takes its backlog in one
@@ -177,8 +180,9 @@ class TokenDelta:
         if self.logprobs is not None or later.logprobs is not None:
             logprobs = [*(self.logprobs or ()), *(later.logprobs or ())]
         prompt_logprobs = self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
+        cached_tokens = self.cached_tokens if self.cached_tokens is not None else later.cached_tokens
         return TokenDelta(self.token_ids + later.token_ids, later.finish_reason, later.error, logprobs,
-                          prompt_logprobs)
+                          prompt_logprobs, cached_tokens)
 
 
 async def next_delta(deltas: asyncio.Queue) -> TokenDelta:

@@ -11,6 +11,10 @@ last row holds a prompt being prefilled a chunk per step, out of the way of the 
 Block 0 is never handed out: entries of unused table rows point at it, so padding rows of a
 CUDA-graph decode write there and harm nobody.
 
+Which blocks a row holds, and which hold a cached prompt prefix, is the host-only
+`BlockManager`'s business (block_manager.py), keyed by row here; this class owns the tensors, the
+device's copy of the tables and the pool's growth, which follows the manager's.
+
 On CUDA the blocks are allocated up front from free memory (addresses never change, which CUDA
 graphs need); on CPU the pool doubles when it runs out (unless kv_cache_max_tokens fixes its
 size), so a server that only sees short prompts holds little memory. The host keeps the
@@ -25,13 +29,12 @@ from typing import Optional
 
 import torch
 
+from llgtrt_core.engine.block_manager import BLOCK_SIZE, SCRATCH_BLOCK, BlockManager, PrefixHit
 from llgtrt_core.kernels import int64_to_device
 from llgtrt_core.layers.attention import gather_blocks
 
-BLOCK_SIZE = 16  # positions per block
 INITIAL_CPU_BLOCKS = 64
 CUDA_MEMORY_FRACTION = 0.9  # of the memory free once the weights are loaded
-SCRATCH_BLOCK = 0
 
 
 class KVCache:
@@ -46,6 +49,7 @@ class KVCache:
         device: torch.device,
         num_blocks: Optional[int] = None,  # None: grow on demand (CPU); else a fixed pool, scratch included
         block_size: int = BLOCK_SIZE,
+        prefix_caching: bool = False,
     ):
         self.num_slots = num_slots  # rows 0..num_slots-1 decode; row num_slots is the prefill row
         self.prefill_row = num_slots
@@ -62,8 +66,7 @@ class KVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.block_table = torch.zeros(num_slots + 1, self.max_blocks_per_sequence, dtype=torch.long, device=device)
-        self._tables: list[list[int]] = [[] for _ in range(num_slots + 1)]
-        self._free = list(range(blocks - 1, SCRATCH_BLOCK, -1))  # popped from the end: low blocks first
+        self.blocks = BlockManager(blocks, self.max_blocks if self.growable else blocks, block_size, prefix_caching)
         self._dirty: set[int] = set()
 
     @classmethod
@@ -79,6 +82,7 @@ class KVCache:
         memory_fraction: float = CUDA_MEMORY_FRACTION,
         max_tokens: Optional[int] = None,
         block_size: int = BLOCK_SIZE,
+        prefix_caching: bool = False,
     ) -> "KVCache":
         """On CUDA, as many blocks as `memory_fraction` of the free device memory holds; on CPU a
         pool that grows. `max_tokens` caps either (on CPU it fixes the pool's size)."""
@@ -92,13 +96,14 @@ class KVCache:
                 raise RuntimeError(f"one sequence of {max_len} tokens needs {needed * block_bytes / 2**30:.1f} GiB "
                                    f"of KV cache; {free_bytes / 2**30:.1f} GiB are free: lower max_model_len")
         elif max_tokens is None:
-            return cls(num_layers, num_slots, num_kv_heads, head_dim, max_len, dtype, device, block_size=block_size)
+            return cls(num_layers, num_slots, num_kv_heads, head_dim, max_len, dtype, device, block_size=block_size,
+                       prefix_caching=prefix_caching)
         else:
             blocks = max_blocks
         if max_tokens is not None:
             blocks = min(blocks, math.ceil(max_tokens / block_size) + 1)
         return cls(num_layers, num_slots, num_kv_heads, head_dim, max_len, dtype, device, num_blocks=blocks,
-                   block_size=block_size)
+                   block_size=block_size, prefix_caching=prefix_caching)
 
     # ---- allocation (host) -------------------------------------------------------------
 
@@ -108,50 +113,63 @@ class KVCache:
 
     @property
     def free_blocks(self) -> int:
-        """Blocks free now, plus those a growable pool could still add."""
-        return len(self._free) + (self.max_blocks - self.num_blocks if self.growable else 0)
+        """Blocks a row could take now (cached ones included), plus those a growable pool could still add."""
+        return self.blocks.free_blocks
 
     @property
     def usage(self) -> float:
         """Share of the pool's blocks held by sequences."""
-        return 1 - len(self._free) / (self.num_blocks - 1)
+        return self.blocks.usage
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.blocks.enable_caching
 
     def blocks_held(self, row: int) -> int:
-        return len(self._tables[row])
+        return self.blocks.blocks_held(row)
 
     def blocks_for(self, positions: int) -> int:
-        return math.ceil(positions / self.block_size)
+        return self.blocks.blocks_for(positions)
+
+    def lookup(self, tokens: list[int]) -> PrefixHit:
+        """`tokens`' leading blocks in the prefix cache (changes nothing)."""
+        return self.blocks.lookup(tokens)
+
+    def allocate_prompt(self, row: int, tokens: list[int], hit: PrefixHit) -> int:
+        """Row `row` (holding no blocks) starts with `hit`'s cached blocks; the positions they hold."""
+        self._dirty.add(row)
+        return self.blocks.allocate_prompt(row, tokens, hit)
 
     def allocate(self, row: int, positions: int) -> bool:
         """Make row `row` hold blocks for its first `positions` positions (capped at max_len);
         False, changing nothing, when the pool cannot supply them."""
-        table = self._tables[row]
-        missing = self.blocks_for(min(positions, self.max_len)) - len(table)
-        if missing <= 0:
-            return True
-        if missing > len(self._free) and not self._grow(missing - len(self._free)):
+        held = self.blocks.blocks_held(row)
+        if not self.blocks.append(row, min(positions, self.max_len)):
             return False
-        table.extend(self._free.pop() for _ in range(missing))
-        self._dirty.add(row)
+        if self.blocks.blocks_held(row) != held:
+            self._dirty.add(row)
+            self._follow_growth()
         return True
 
+    def commit(self, row: int, tokens: list[int], computed: int) -> None:
+        """Row `row`'s KV is computed for its first `computed` positions, `tokens[:computed]`: its full
+        blocks among them join the prefix cache."""
+        self.blocks.commit(row, tokens, computed)
+
     def free(self, row: int) -> None:
-        """Return row `row`'s blocks to the pool."""
-        self._free.extend(reversed(self._tables[row]))
-        self._tables[row] = []
+        """Release row `row`'s blocks (cached ones stay cached until evicted)."""
+        self.blocks.free(row)
         self._dirty.add(row)
 
     def move(self, src: int, dst: int) -> None:
         """Row `src`'s blocks now belong to the empty row `dst` (compaction after a removal)."""
-        assert not self._tables[dst], "move into a row that holds blocks"
-        self._tables[dst], self._tables[src] = self._tables[src], []
+        self.blocks.move(src, dst)
         self._dirty.update((src, dst))
 
     def reset(self) -> None:
-        """Every row freed (after a failed step)."""
-        for row in range(len(self._tables)):
-            if self._tables[row]:
-                self.free(row)
+        """Every row freed and the prefix cache emptied (after a failed step)."""
+        self.blocks.reset()
+        self._dirty.update(range(self.num_slots + 1))
 
     def sync_table(self) -> None:
         """Upload the table rows changed since the last call (one pinned copy, no host sync);
@@ -161,23 +179,21 @@ class KVCache:
         rows = sorted(self._dirty)
         self._dirty.clear()
         width = self.max_blocks_per_sequence
-        flat = [block for row in rows for block in self._tables[row] + [SCRATCH_BLOCK] * (width - len(self._tables[row]))]
+        tables = [self.blocks.blocks(row) for row in rows]
+        flat = [block for table in tables for block in table + [SCRATCH_BLOCK] * (width - len(table))]
         device = self.block_table.device
         self.block_table[int64_to_device(rows, device)] = int64_to_device(flat, device).view(len(rows), width)
 
-    def _grow(self, at_least: int) -> bool:
-        """Double a growable pool (at least by `at_least` blocks, at most to max_blocks)."""
-        old = self.num_blocks
-        new = min(self.max_blocks, max(2 * old, old + at_least))
-        if not self.growable or new - old < at_least:
-            return False
+    def _follow_growth(self) -> None:
+        """Grow the tensors to the block manager's pool (which grows a growable pool on demand)."""
+        old, new = self.num_blocks, self.blocks.num_blocks
+        if new == old:
+            return
         for tensors in (self.keys, self.values):
             for layer, tensor in enumerate(tensors):
                 grown = tensor.new_zeros(new, *tensor.shape[1:])
                 grown[:old] = tensor
                 tensors[layer] = grown
-        self._free[:0] = range(new - 1, old - 1, -1)  # the old free blocks stay first in line
-        return True
 
     # ---- reads and writes (device) ------------------------------------------------------
 

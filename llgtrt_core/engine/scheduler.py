@@ -4,12 +4,16 @@ Host bookkeeping only, no tensors: `schedule` returns a `StepPlan` and the engin
 Running sequences fill cache rows 0..n-1; one leaving frees its row and the last row moves into
 the hole (`on_move` lets the engine move its per-row device state along).
 
-KV memory is handed out in blocks as sequences grow (`kv_cache.py`). A waiting request is
-admitted when its prompt's blocks are free, with room to spare for the running sequences'
-growth while it is prefilled; when a running sequence needs a block and none is free, the most
-recently admitted sequence is preempted: its blocks are freed and it waits at the head of the
-queue to be recomputed (its prompt and every token it has emitted prefilled again; nothing is
-emitted twice).
+KV memory is handed out in blocks as sequences grow (`kv_cache.py`). With prefix caching
+(block_manager.py) a prompt starts with the blocks of its longest cached prefix and is prefilled
+from there; a sequence's full blocks join the cache as they are computed (a prompt's after each
+prefill chunk, by the engine; generated ones when the sequence leaves its row), so a preempted
+sequence usually finds its own blocks again. A request asking for prompt logprobs computes its
+whole prompt. A waiting request is admitted when its prompt's blocks are free (cached ones
+count), with room to spare for the running sequences' growth while it is prefilled; when a
+running sequence needs a block and none is free, the most recently admitted sequence is
+preempted: its blocks are freed and it waits at the head of the queue to be recomputed (its
+prompt and every token it has emitted prefilled again; nothing is emitted twice).
 
 With `prefill_chunk_tokens` set, a step prefills at most that many prompt tokens: a longer
 prompt is prefilled a chunk per step while the running rows keep decoding. That prompt is the
@@ -25,8 +29,11 @@ from collections import deque
 from typing import Callable, Optional, Protocol
 
 from llgtrt_core import metrics
+from llgtrt_core.engine.block_manager import PrefixHit
 from llgtrt_core.engine.interface import TokenDelta
 from llgtrt_core.engine.sequence import Chunk, Sequence, StepPlan
+
+_NO_PREFIX = PrefixHit((), (), 0)  # not looked up: the whole prompt is computed
 
 
 class BlockPool(Protocol):
@@ -34,12 +41,18 @@ class BlockPool(Protocol):
 
     num_slots: int
     prefill_row: int
+    block_size: int
 
     @property
     def free_blocks(self) -> int: ...
+    @property
+    def prefix_caching(self) -> bool: ...
     def blocks_held(self, row: int) -> int: ...
     def blocks_for(self, positions: int) -> int: ...
+    def lookup(self, tokens: list[int]) -> PrefixHit: ...
+    def allocate_prompt(self, row: int, tokens: list[int], hit: PrefixHit) -> int: ...
     def allocate(self, row: int, positions: int) -> bool: ...
+    def commit(self, row: int, tokens: list[int], computed: int) -> None: ...
     def free(self, row: int) -> None: ...
     def move(self, src: int, dst: int) -> None: ...
 
@@ -97,8 +110,10 @@ class Scheduler:
                 return
 
     def remove(self, index: int) -> None:
-        """Free row `index`'s blocks and move the last running sequence into it."""
+        """Free row `index`'s blocks (its full ones cached first) and move the last running sequence into it."""
         last = len(self.running) - 1
+        seq = self.running[index]
+        self.blocks.commit(index, seq.token_ids, seq.length)
         self.blocks.free(index)
         if index != last:
             self.blocks.move(last, index)
@@ -188,6 +203,7 @@ class Scheduler:
                 seq = self.prefilling
             elif self.waiting and slot < self.blocks.num_slots and self._fits(self.waiting[0]):
                 seq = self.prefilling = self.waiting.popleft()  # held here: a failed step ends it
+                self._claim_prefix(seq)
                 self._admit(seq)
             else:
                 break
@@ -207,13 +223,28 @@ class Scheduler:
         return chunks
 
     def _fits(self, seq: Sequence) -> bool:
-        """Whether the blocks free now hold `seq`'s prompt, with room to spare for each running
-        sequence to grow while the prompt is prefilled (a token per prefill step), so that they do
-        not take its blocks back before it is done."""
-        tokens = len(seq.prefill_tokens or seq.request.prompt_token_ids) + 1
-        steps = math.ceil(tokens / (self.prefill_chunk_tokens or tokens))
+        """Whether the blocks free now hold `seq`'s prompt (its cached prefix shared), with room to
+        spare for each running sequence to grow while the prompt is prefilled (a token per prefill
+        step), so that they do not take its blocks back before it is done."""
+        prompt = seq.prefill_tokens or seq.request.prompt_token_ids
+        looks_up = self.blocks.prefix_caching and seq.request.sampling.prompt_logprobs is None
+        seq.prefix = self.blocks.lookup(prompt) if looks_up else _NO_PREFIX
+        tokens = len(prompt) + 1
+        uncached = tokens - len(seq.prefix.blocks) * self.blocks.block_size
+        steps = math.ceil(uncached / (self.prefill_chunk_tokens or uncached))
         spare = len(self.running) * self.blocks.blocks_for(steps + 1)
-        return self.blocks.blocks_for(tokens) + spare <= self.blocks.free_blocks
+        return self.blocks.blocks_for(tokens) - seq.prefix.shared + spare <= self.blocks.free_blocks
+
+    def _claim_prefix(self, seq: Sequence) -> None:
+        """Start the prefill row with the blocks of `seq`'s cached prefix (`_fits` looked it up this
+        step) and prefill from its end."""
+        prompt = seq.prefill_tokens or seq.request.prompt_token_ids
+        if seq.prefix is not _NO_PREFIX:
+            seq.length = self.blocks.allocate_prompt(self.blocks.prefill_row, prompt, seq.prefix)
+            metrics.record_prefix_lookup(len(prompt), seq.length)
+        if not seq.token_ids:  # its first admission: what the answer's usage reports
+            seq.cached_tokens = seq.length
+        seq.prefix = None
 
     def _admit(self, seq: Sequence) -> None:
         """Mark `seq` admitted; the first time, `prepare` decides its tokens to prefill. A preempted

@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from llgtrt_core.engine.interface import GenerationRequest, TokenDelta, TokenLogprob
+from llgtrt_core.engine.block_manager import PrefixHit
+from llgtrt_core.engine.interface import FinishReason, GenerationRequest, TokenDelta, TokenLogprob
 
 
 @dataclass
@@ -23,15 +24,20 @@ class Sequence:
     uncommitted_token: Optional[int] = None  # sampled last step, not yet seen by the constraint
     fast_forward: bool = False  # its constraint's forced tokens are fed without sampling
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # sent with the first delta
+    cached_tokens: Optional[int] = None  # prompt positions its first prefill reused; sent with the first delta
+    prefix: Optional[PrefixHit] = None  # its cached prefix, looked up to decide its admission
     arrival: float = field(default_factory=time.monotonic)  # for the queue-time metric
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
 
-    def take_prompt_logprobs(self) -> Optional[list[Optional[TokenLogprob]]]:
-        taken, self.prompt_logprobs = self.prompt_logprobs, None
-        return taken
+    def delta(self, token_ids: list[int], finish_reason: Optional[FinishReason] = None, error: Optional[str] = None,
+              logprobs: Optional[list[TokenLogprob]] = None) -> TokenDelta:
+        """A delta with these tokens; the first one also carries the prompt logprobs and cached tokens."""
+        delta = TokenDelta(token_ids, finish_reason, error, logprobs, self.prompt_logprobs, self.cached_tokens)
+        self.prompt_logprobs = self.cached_tokens = None
+        return delta
 
     def scores_prompt(self) -> bool:
         """Prompt logprobs were asked for and are not sent yet."""

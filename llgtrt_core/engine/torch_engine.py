@@ -79,6 +79,7 @@ class TorchEngineConfig:
     mixed_prefill: bool = True  # decode and the step's prompts in one forward pass (model_runner.py)
     kv_cache_free_gpu_memory_fraction: float = CUDA_MEMORY_FRACTION  # of the memory free once the weights are loaded
     kv_cache_max_tokens: Optional[int] = None  # caps the KV cache; on cpu it fixes its size (else it grows)
+    prefix_caching: bool = True  # share the KV blocks of cached prompt prefixes (block_manager.py)
     # Queue the next decode before reading a step's tokens (see the module doc); default: on cuda,
     # where the host work then hides behind the GPU's. On cpu nothing runs ahead, so it only costs.
     overlap_steps: Optional[bool] = None
@@ -175,7 +176,8 @@ class TorchEngine(Engine):
         cfg = self.model.config
         self.cache = KVCache.for_device(cfg.num_layers, self.config.max_batch_size, cfg.num_kv_heads, cfg.head_dim,
                                         self.max_model_len, self.dtype, self.device,
-                                        self.config.kv_cache_free_gpu_memory_fraction, self.config.kv_cache_max_tokens)
+                                        self.config.kv_cache_free_gpu_memory_fraction, self.config.kv_cache_max_tokens,
+                                        prefix_caching=self.config.prefix_caching)
         decode_graphs = None
         if self.device.type == "cuda" and self.config.cuda_graphs:
             started = time.perf_counter()
@@ -217,7 +219,11 @@ class TorchEngine(Engine):
         if fill_phases is not None:
             phases.update(fill_phases.snapshot("fill."))
         mixed = self.runner.num_mixed_steps if self.runner is not None else 0
-        return {"num_steps": self.num_steps, "num_mixed_steps": mixed, "step_phases": phases}
+        blocks = self.cache.blocks
+        prefix_cache = {"queries": blocks.queries, "hits": blocks.hits, "cached_blocks": blocks.cached_blocks,
+                        "evictions": blocks.evictions}
+        return {"num_steps": self.num_steps, "num_mixed_steps": mixed, "step_phases": phases,
+                "prefix_cache": prefix_cache}
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -301,7 +307,8 @@ class TorchEngine(Engine):
             self._deliver_outbox(outbox)
 
     def _record_state(self) -> None:
-        metrics.record_engine_state(len(self.scheduler.running), len(self.scheduler.waiting), self.cache.usage)
+        metrics.record_engine_state(len(self.scheduler.running), len(self.scheduler.waiting), self.cache.usage,
+                                    self.cache.blocks.cached_blocks)
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued adds and aborts; False once shutdown was asked for."""
@@ -412,17 +419,17 @@ class TorchEngine(Engine):
             self._ahead[dst] = self._ahead[src]
 
     def _emit_prefilled(self, plan: StepPlan) -> None:
-        """A prompt prefilled to its end emits its forced tokens (with the prompt logprobs) as its
-        first delta."""
+        """The full blocks a chunk computed join the prefix cache; a prompt prefilled to its end emits
+        its forced tokens (with the prompt logprobs) as its first delta."""
         for chunk in plan.chunks:
             seq = chunk.seq
+            self.cache.commit(chunk.row, seq.prefill_tokens, chunk.end)
             if chunk.last:
                 forced = seq.prefill_tokens[len(seq.token_ids):]  # none after a preemption
                 seq.prefill_tokens = []
                 if forced:
                     seq.token_ids += forced
-                    seq.emit(TokenDelta(forced, logprobs=self._forced_logprobs(seq, forced),
-                                        prompt_logprobs=seq.take_prompt_logprobs()))
+                    seq.emit(seq.delta(forced, logprobs=self._forced_logprobs(seq, forced)))
 
     @staticmethod
     def _forced_logprobs(seq: Sequence, forced: list[int]) -> Optional[list[TokenLogprob]]:
@@ -459,7 +466,7 @@ class TorchEngine(Engine):
         if seq.num_generated >= sampling.max_tokens or seq.length + len(tokens) >= self.max_model_len:
             self._finish(seq, "length", tokens, logprobs=logprobs)
             return "length"
-        seq.emit(TokenDelta(tokens, logprobs=logprobs, prompt_logprobs=seq.take_prompt_logprobs()))
+        seq.emit(seq.delta(tokens, logprobs=logprobs))
         seq.token_ids += tokens
         seq.pending_tokens = forced if fed else tokens
         seq.length += fed
@@ -470,7 +477,7 @@ class TorchEngine(Engine):
 
     def _finish(self, seq: Sequence, reason: FinishReason, token_ids: Optional[list[int]] = None,
                 error: Optional[str] = None, logprobs: Optional[list[TokenLogprob]] = None) -> None:
-        seq.emit(TokenDelta(token_ids or [], reason, error, logprobs, seq.take_prompt_logprobs()))
+        seq.emit(seq.delta(token_ids or [], reason, error, logprobs))
 
 
 def _deliver_to_event_loops(outbox: list[tuple[object, TokenDelta]]) -> None:
