@@ -11,6 +11,11 @@ from llgtrt_core.engine.scheduler import Scheduler
 from llgtrt_core.engine.sequence import Sequence
 
 
+def nothing_ends(seq: Sequence) -> bool:
+    """No running sequence ends this step."""
+    return False
+
+
 class Harness:
     """A scheduler over a fixed pool of `blocks` usable blocks, recording its callbacks."""
 
@@ -77,13 +82,14 @@ def test_no_free_row_keeps_a_request_waiting():
     h.run_plan()
     assert [s.request_id for s in h.scheduler.running] == ["r0", "r1"]
     assert [s.request_id for s in h.scheduler.waiting] == ["r2"]
-    assert not h.scheduler.admits_next(leaving=0, arrived=False)
-    assert h.scheduler.admits_next(leaving=1, arrived=False)
+    first_ends = lambda seq: seq is h.scheduler.running[0]  # noqa: E731
+    assert not h.scheduler.admits_next(nothing_ends, arrived=False)
+    assert h.scheduler.admits_next(first_ends, arrived=False)
     h.scheduler.remove(0)
-    assert h.scheduler.admits_next(leaving=0, arrived=False)
+    assert h.scheduler.admits_next(nothing_ends, arrived=False)
     h.run_plan()
-    assert not h.scheduler.admits_next(leaving=1, arrived=False)  # nobody waits
-    assert h.scheduler.admits_next(leaving=1, arrived=True)
+    assert not h.scheduler.admits_next(first_ends, arrived=False)  # nobody waits
+    assert h.scheduler.admits_next(first_ends, arrived=True)
 
 
 def test_a_long_prompt_is_prefilled_a_chunk_per_step_in_the_prefill_row():
@@ -94,7 +100,7 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_in_the_prefill_row():
     # The short prompt takes 4 of the 16 tokens; the long one starts in the prefill row.
     assert [(c.seq.request_id, c.row, c.end, c.last) for c in plan.chunks] == [
         ("short", 0, 4, True), ("long", h.cache.prefill_row, 12, False)]
-    assert h.scheduler.prefilling.request_id == "long" and h.scheduler.admits_next(leaving=0, arrived=False)
+    assert h.scheduler.prefilling.request_id == "long" and h.scheduler.admits_next(nothing_ends, arrived=False)
     plan = h.run_plan()
     assert plan.num_decoding == 1 and [(c.row, c.end, c.last) for c in plan.chunks] == [(h.cache.prefill_row, 28, False)]
     plan = h.run_plan()

@@ -18,6 +18,7 @@ import torch
 
 from llgtrt_core.engine.interface import ConstrainedRow, FastForwarder, StagedPostProcessor
 from llgtrt_core.engine.sequence import Sequence
+from llgtrt_core.engine.step_profile import StepPhases
 from llgtrt_core.engine.sampler import DeviceMasks
 
 logger = logging.getLogger(__name__)
@@ -52,14 +53,15 @@ class ConstraintStage:
             self._pool.shutdown()
             self._pool = None
 
-    def phases(self):
+    def phases(self) -> Optional[StepPhases]:
+        """The post-processor's fill phases, when it keeps them."""
         return getattr(self.post_processor, "phases", None)
 
     def forced(self, seq: Sequence, token: Optional[int], limit: int) -> list[int]:
         """Commit `token` (None: nothing sampled yet) and return the up to `limit` tokens its grammar
         forces next, committed too: empty unless the sequence fast-forwards. A forced stop token is
         left to the sampler (the mask allows only it), so the request ends with "stop" as usual."""
-        if not seq.fast_forward or self.forwarder is None:
+        if not seq.fast_forward:  # set only where there is a forwarder
             return []
         return self.forwarder.commit_with_forced(seq.request.constraint, token, limit,
                                                  seq.request.sampling.stop_token_ids)

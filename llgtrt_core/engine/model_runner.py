@@ -3,9 +3,8 @@
 A step decodes one token for each running row (CUDA graphs when captured, `decode_graphs.py`),
 feeds the tokens a grammar forced after the last sampled one (`extend_batch`), and prefills the
 plan's prompt chunks, several per pass. When rows decode and prompts are prefilled in the same
-step, both go through one `mixed` pass: the weights are read once, not once for the decode and
-again for the prompts (at 256 streams, where a new request arrives nearly every step, the
-separate prefill pass cost as much as the decode).
+step and nothing was queued ahead, both go through one `mixed` pass: the weights are read once,
+not once for the decode and again for the prompts.
 """
 
 from __future__ import annotations

@@ -140,13 +140,15 @@ class Scheduler:
             return None
         return StepPlan(num_decoding, chunks)
 
-    def admits_next(self, leaving: int, arrived: bool) -> bool:
+    def admits_next(self, ends_now: Callable[[Sequence], bool], arrived: bool) -> bool:
         """Whether the next step would prefill a prompt: one is in progress, or the first waiting
-        one (`arrived`: a request not yet added is on its way) gets a row (`leaving`: running rows
-        known to end this step) and its blocks."""
+        one (`arrived`: a request not yet added is on its way) gets a row (rows whose sequence
+        `ends_now` count free; asked only when someone waits) and its blocks."""
         if self.prefilling is not None:
             return True
-        if len(self.running) - leaving >= self.blocks.num_slots:
+        if not self.waiting and not arrived:
+            return False
+        if len(self.running) - sum(map(ends_now, self.running)) >= self.blocks.num_slots:
             return False
         return self._fits(self.waiting[0]) if self.waiting else arrived
 

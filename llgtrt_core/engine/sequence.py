@@ -66,8 +66,3 @@ class StepPlan:
 
     num_decoding: int
     chunks: list[Chunk]
-
-    @property
-    def samples(self) -> bool:
-        """Some row gets logits: a decoding row or a prompt prefilled to its end."""
-        return self.num_decoding > 0 or any(chunk.last for chunk in self.chunks)

@@ -356,7 +356,7 @@ class TorchEngine(Engine):
         # step admits a prompt (one waits, or a command arrived since this step began: most likely a
         # request): it then decodes and prefills in one pass.
         fed = self.overlap_steps and not (self.config.mixed_prefill and self.scheduler.admits_next(
-            sum(map(self._reaches_length, running)), arrived=self._commands.qsize() > 0))
+            self._reaches_length, arrived=self._commands.qsize() > 0))
         if fed:
             self._ahead = self.runner.decode(running, pending.tokens)
             self.phases.mark("decode_ahead")
@@ -377,7 +377,8 @@ class TorchEngine(Engine):
         self.phases.mark("advance")
 
     def _reaches_length(self, seq: Sequence) -> bool:
-        """Whatever it samples now, `seq` ends this step (max_tokens or the context)."""
+        """Whatever it samples now, `seq` ends this step: at max_tokens, or at the context (which
+        bounds prompt + completion; the prompt and all but the new token are cached)."""
         return (seq.num_generated + 1 >= seq.request.sampling.max_tokens
                 or seq.length + 1 >= self.max_model_len)
 
@@ -451,10 +452,10 @@ class TorchEngine(Engine):
         if token in sampling.stop_token_ids:
             self._finish(seq, "stop")
             return "stop"
+        reaches_length = self._reaches_length(seq)
         seq.num_generated += 1
         logprobs = None if logprob is None else [logprob]
-        # The context bounds prompt + completion; the prompt and all but this token are cached.
-        if seq.num_generated >= sampling.max_tokens or seq.length + 1 >= self.max_model_len:
+        if reaches_length:
             self._finish(seq, "length", [token], logprobs=logprobs)
             return "length"
         forced = self.constraints.forced(seq, token, min(sampling.max_tokens - seq.num_generated,
