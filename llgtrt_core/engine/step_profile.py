@@ -9,8 +9,10 @@ per-step means of a window.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass
@@ -24,9 +26,10 @@ class StepPhases:
     """Totals per phase for one thread. `begin` starts a span, each `mark(phase)` ends the phase
     running since the last mark; a thread's spans never overlap."""
 
-    def __init__(self) -> None:
+    def __init__(self, trace: "StepTrace | None" = None) -> None:
         self.totals: dict[str, PhaseTotals] = {}
         self._wall = self._cpu = 0.0
+        self.trace = trace
 
     def begin(self) -> None:
         self._wall, self._cpu = time.perf_counter(), time.thread_time()
@@ -40,7 +43,66 @@ class StepPhases:
         totals.wall_s += wall - self._wall
         totals.cpu_s += cpu - self._cpu
         self._wall, self._cpu = wall, cpu
+        if self.trace is not None:
+            self.trace.phase_ended(phase)
 
     def snapshot(self, prefix: str = "") -> dict[str, dict[str, float]]:
         return {prefix + name: {"count": t.count, "wall_s": t.wall_s, "cpu_s": t.cpu_s}
                 for name, t in self.totals.items()}
+
+
+class StepTrace:
+    """A torch.profiler trace (CPU and CUDA) of a window of engine steps, asked for with
+    LLGTRT_STEP_TRACE="<dir>,<first step>,<steps>": the GPU's timeline under real load (idle gaps
+    between kernels, host launches), which the phase totals cannot show. Written once, as
+    <dir>/steps-<first>-<last>.json (Chrome trace) and .txt (the top kernels and ops)."""
+
+    def __init__(self, spec: str) -> None:
+        directory, first, steps = spec.split(",")
+        self.directory, self.first, self.last = directory, int(first), int(first) + int(steps)
+        self._profiler = None
+        self._step_range = None  # the running step's range in the trace
+        self._phase_range = None  # from the last phase's end: named "after <phase>"
+
+    @classmethod
+    def from_env(cls) -> "StepTrace | None":
+        spec = os.environ.get("LLGTRT_STEP_TRACE")
+        return cls(spec) if spec else None
+
+    def at_step(self, step: int) -> None:
+        """Called as each step begins: starts and ends the window, and marks the steps in it."""
+        self._phase_range = _exit(self._phase_range)
+        self._step_range = _exit(self._step_range)
+        if step == self.first:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self._profiler.__enter__()
+        elif step == self.last and self._profiler is not None:
+            self._profiler.__exit__(None, None, None)
+            stem = Path(self.directory) / f"steps-{self.first}-{self.last}"
+            stem.parent.mkdir(parents=True, exist_ok=True)
+            self._profiler.export_chrome_trace(f"{stem}.json")
+            stem.with_suffix(".txt").write_text(
+                self._profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+            self._profiler = None
+        if self._profiler is not None:
+            self._step_range = _enter(f"step {step}")
+
+    def phase_ended(self, phase: str) -> None:
+        if self._profiler is not None and self._step_range is not None:
+            _exit(self._phase_range)
+            self._phase_range = _enter(f"after {phase}")
+
+
+def _enter(name: str):
+    from torch.profiler import record_function
+
+    scope = record_function(name)
+    scope.__enter__()
+    return scope
+
+
+def _exit(scope) -> None:
+    if scope is not None:
+        scope.__exit__(None, None, None)

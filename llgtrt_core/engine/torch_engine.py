@@ -58,7 +58,7 @@ from llgtrt_core.engine.model_runner import ModelRunner
 from llgtrt_core.engine.sampler import BatchSampler
 from llgtrt_core.engine.scheduler import Scheduler
 from llgtrt_core.engine.sequence import Sequence, StepPlan
-from llgtrt_core.engine.step_profile import StepPhases
+from llgtrt_core.engine.step_profile import StepPhases, StepTrace
 from llgtrt_core.models.llama import LlamaForCausalLM
 from llgtrt_core.models.loader import load_config, load_model
 
@@ -159,7 +159,8 @@ class TorchEngine(Engine):
         self.sampler = BatchSampler(config.max_batch_size, self.vocab_size, self.device)
         self.constraints = ConstraintStage(post_processor, config.fast_forward, self.device)
         self.num_steps = 0  # forward steps run: what fast-forward saves
-        self.phases = StepPhases()  # the engine thread's step loop, phase by phase
+        self.trace = StepTrace.from_env()
+        self.phases = StepPhases(self.trace)  # the engine thread's step loop, phase by phase
 
     # ---- caller side -----------------------------------------------------------------
 
@@ -327,6 +328,8 @@ class TorchEngine(Engine):
 
     def _step(self) -> None:
         self.num_steps += 1
+        if self.trace is not None:
+            self.trace.at_step(self.num_steps)
         plan = self.scheduler.schedule()
         if plan is None:  # a prompt in progress waits for blocks
             return
