@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llgtrt_core.engine.decode_graphs import PROMPT_ROWS, batch_buckets
 from llgtrt_core.engine.interface import GenerationRequest, SamplingParams
 from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig
 from llgtrt_core.models.llama import ModelConfig
@@ -124,7 +125,9 @@ def test_greedy_tokens_equal_the_reference_forward(model_dir: Path, device: str)
     assert got == expected
     if device == "cuda":
         assert engine.runner.decode_graphs is not None
-        assert set(engine.runner.decode_graphs.graphs) == {1, 2, 3}  # every batch bucket, captured at start
+        graphs = engine.runner.decode_graphs
+        assert graphs.max_rows == 3 + PROMPT_ROWS  # the slots, and prompt tokens riding along
+        assert set(graphs.graphs) == set(batch_buckets(graphs.max_rows))  # every bucket, captured at start
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -145,6 +148,43 @@ def test_preemption_and_chunked_prefill_keep_the_reference_tokens(model_dir: Pat
     got = run_engine(engine, requests)
     assert engine.num_preemptions > 0
     assert got == [reference_greedy(weights, config, p, 120) for p in prompts]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cached_prefixes_keep_the_reference_tokens(model_dir: Path, device: str) -> None:
+    """Prefix caching (on CUDA beside graph decode and overlapped steps): a first request caches its
+    prompt's full blocks; three more share 40 or 67 of its tokens and run at once, prefilling only
+    past the cached blocks (usage's cached_tokens: whole 16-token blocks), and every answer still
+    has the reference's greedy tokens."""
+    config = ModelConfig.from_hf(TINY_LLAMA)
+    model = random_model(config, MAX_LEN, torch.float32, torch.device(device), seed=11)
+    weights = {name: t.double().cpu() for name, t in model.checkpoint_tensors().items()}
+    generator = torch.Generator().manual_seed(12)
+    shared = torch.randint(0, 512, (70,), generator=generator).tolist()
+    prompts = [shared, shared[:40] + [5, 6, 7], shared[:67] + [9], shared[:40] + [8] * 20]
+    engine = TorchEngine(model_dir, TorchEngineConfig(max_batch_size=4, max_model_len=MAX_LEN, device=device,
+                                                      dtype="float32"), model=model)
+
+    async def collect(request: GenerationRequest) -> tuple[list[int], int]:
+        tokens, cached = [], 0
+        async for delta in engine.generate(request):
+            tokens += delta.token_ids
+            cached = delta.cached_tokens if delta.cached_tokens is not None else cached
+        return tokens, cached
+
+    async def scenario() -> list[tuple[list[int], int]]:
+        await engine.start()
+        try:
+            requests = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=8, temperature=0.0))
+                        for i, p in enumerate(prompts)]
+            first = await collect(requests[0])
+            return [first, *await asyncio.gather(*(collect(r) for r in requests[1:]))]
+        finally:
+            await engine.shutdown()
+
+    got = asyncio.run(scenario())
+    assert [cached for _, cached in got] == [0, 32, 64, 32]
+    assert [tokens for tokens, _ in got] == [reference_greedy(weights, config, p, 8) for p in prompts]
 
 
 @cuda

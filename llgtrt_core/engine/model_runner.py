@@ -5,11 +5,17 @@ feeds the tokens a grammar forced after the last sampled one (`extend_batch`), a
 plan's prompt chunks, several per pass. When rows decode and prompts are prefilled in the same
 step and nothing was queued ahead, both go through one `mixed` pass: the weights are read once,
 not once for the decode and again for the prompts.
+
+Under CUDA graphs, short prompt chunks (`GRAPH_CHUNK_TOKENS`) are computed by the decode graphs
+too, each token a row of its own (see decode_graphs.py): an eager pass costs ~0.6 ms of host
+time per layer in kernel launches, 20 ms for an 8B model whatever its size, where a replay costs
+the GPU's time alone. A mixed step is then a single replay. Longer chunks run eagerly (SDPA).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import itertools
+from typing import Callable, Optional
 
 import torch
 
@@ -22,6 +28,7 @@ from llgtrt_core.models.llama import LlamaForCausalLM, Segment
 
 _PROMPT_LOGPROBS_CHUNK = 256  # prompt positions projected to the vocabulary at once
 PREFILL_PASS_TOKENS = 8192  # prompt tokens batched into one forward pass (bounds its activations)
+GRAPH_CHUNK_TOKENS = 128  # a prompt chunk up to this long is computed by the decode graphs
 
 
 class ModelRunner:
@@ -50,7 +57,11 @@ class ModelRunner:
                 for seq in batch:
                     seq.length += 1
                     seq.pending_tokens = seq.pending_tokens[1:]  # a copy: the list went out in a delta
-            logits.append(self._extend_pending(batch, ahead[:num_decoding]))
+            decoded = self._extend_pending(batch, ahead[:num_decoding])
+            if any(map(self._rides_graph, plan.chunks)):
+                # The graphs share one memory pool: the prefill's replay would overwrite these logits.
+                decoded = decoded.clone()
+            logits.append(decoded)
         if plan.chunks:
             rows = self._prefill(plan.chunks)
             # Only the last chunk can stop short of its prompt's end (the scheduler stops there).
@@ -74,18 +85,32 @@ class ModelRunner:
     def _mixes(self, batch: list[Sequence], chunks: list[Chunk]) -> bool:
         """Decode and prefill share one pass: there are prompts, none scores its logprobs (that pass
         projects every position), no row has grammar-forced tokens to feed besides its decode token,
-        and the prompts fit one pass."""
-        return (self.mixed_prefill and bool(chunks) and not any(c.seq.scores_prompt() for c in chunks)
-                and all(len(seq.pending_tokens) == 1 for seq in batch)
+        and the prompts fit one pass: under graphs, one replay (eagerly, the launches would cost
+        more than a second read of the weights)."""
+        if not (self.mixed_prefill and chunks and all(len(seq.pending_tokens) == 1 for seq in batch)):
+            return False
+        if self.decode_graphs is not None:
+            return (all(self._rides_graph(c) for c in chunks)
+                    and len(batch) + sum(c.num_tokens for c in chunks) <= self.decode_graphs.max_rows)
+        return (not any(c.seq.scores_prompt() for c in chunks)
                 and sum(c.num_tokens for c in chunks) <= PREFILL_PASS_TOKENS)
+
+    def _rides_graph(self, chunk: Chunk) -> bool:
+        return (self.decode_graphs is not None and chunk.num_tokens <= GRAPH_CHUNK_TOKENS
+                and not chunk.seq.scores_prompt())
 
     def _mixed(self, batch: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
         self.num_mixed_steps += 1
-        positions = [seq.length for seq in batch]
-        tokens = int64_to_device([seq.pending_tokens[0] for seq in batch], self.device)
-        new_tokens = int64_to_device([t for c in chunks for t in c.seq.prefill_tokens[c.seq.length:c.end]], self.device)
-        logits = self.model.mixed(tokens, int64_to_device(positions, self.device), max(positions) + 1, self.cache,
-                                  self.cache.block_table[: len(batch)], new_tokens, _segments(chunks))
+        if self.decode_graphs is not None:
+            logits = self._graph_pass([(seq.pending_tokens[0], seq.length, row) for row, seq in enumerate(batch)],
+                                      chunks)
+        else:
+            positions = [seq.length for seq in batch]
+            tokens = int64_to_device([seq.pending_tokens[0] for seq in batch], self.device)
+            new_tokens = int64_to_device([t for c in chunks for t in c.seq.prefill_tokens[c.seq.length:c.end]],
+                                         self.device)
+            logits = self.model.mixed(tokens, int64_to_device(positions, self.device), max(positions) + 1,
+                                      self.cache, self.cache.block_table[: len(batch)], new_tokens, _segments(chunks))
         for seq in batch:
             seq.length += 1
             seq.pending_tokens = []
@@ -113,8 +138,11 @@ class ModelRunner:
         batched: a wave of prompts is prefilled in a few passes, not one pass each); each chunk's
         last-position logits, in order."""
         rows = []
-        for batch in _prefill_passes(chunks):
+        for batch in _prefill_passes(chunks, self._rides_graph, self._graph_rows()):
             seq = batch[0].seq
+            if self._rides_graph(batch[0]):
+                rows.append(self._graph_pass([], batch))
+                continue
             if seq.scores_prompt():  # alone in its pass
                 tokens = int64_to_device(seq.prefill_tokens[seq.length:batch[0].end], self.device)
                 rows.append(self._extend_scoring_prompt(seq, tokens, batch[0].row).unsqueeze(0))
@@ -124,6 +152,22 @@ class ModelRunner:
         for chunk in chunks:
             chunk.seq.length = chunk.end
         return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+    def _graph_rows(self) -> int:
+        return self.decode_graphs.max_rows if self.decode_graphs is not None else 0
+
+    def _graph_pass(self, decoding: list[tuple[int, int, int]], chunks: list[Chunk]) -> torch.Tensor:
+        """One replay of the decode graphs over `decoding` rows ((token, position, cache row) each)
+        and every token of `chunks`; the decoding rows' logits, then each chunk's last token's."""
+        rows = decoding + [(token, position, c.row) for c in chunks
+                           for position, token in enumerate(c.seq.prefill_tokens[c.seq.length:c.end], c.seq.length)]
+        ends = itertools.accumulate([len(decoding), *(c.num_tokens for c in chunks)])
+        picked = [*range(len(decoding)), *(end - 1 for end in itertools.islice(ends, 1, None))]
+        inputs = int64_to_device([*(r[0] for r in rows), *(r[1] for r in rows), *(r[2] for r in rows), *picked],
+                                 self.device)
+        n = len(rows)
+        logits = self.decode_graphs.decode(inputs[:n], inputs[n:2 * n], inputs[2 * n:3 * n])
+        return logits.index_select(0, inputs[3 * n:])
 
     def _extend_scoring_prompt(self, seq: Sequence, tokens: torch.Tensor, row: int) -> torch.Tensor:
         """`extend` with these tokens, also scoring the prompt tokens they predict under the model
@@ -150,15 +194,19 @@ def _segments(chunks: list[Chunk]) -> list[Segment]:
     return [Segment(c.row, c.seq.length, c.num_tokens) for c in chunks]
 
 
-def _prefill_passes(chunks: list[Chunk]) -> list[list[Chunk]]:
-    """Consecutive chunks grouped into forward passes of at most PREFILL_PASS_TOKENS tokens (a longer
-    chunk runs alone); a chunk scoring its prompt's logprobs runs alone too."""
+def _prefill_passes(chunks: list[Chunk], rides_graph: Callable[[Chunk], bool], graph_rows: int
+                    ) -> list[list[Chunk]]:
+    """Consecutive chunks grouped into forward passes: graph replays of at most `graph_rows` tokens
+    for the chunks that ride the graphs, eager passes of at most PREFILL_PASS_TOKENS tokens (a
+    longer chunk runs alone) for the others; a chunk scoring its prompt's logprobs runs alone."""
     passes: list[list[Chunk]] = []
     tokens = 0
     for chunk in chunks:
         size = chunk.num_tokens
-        if (not passes or tokens + size > PREFILL_PASS_TOKENS or chunk.seq.scores_prompt()
-                or passes[-1][0].seq.scores_prompt()):
+        graph = rides_graph(chunk)
+        if (not passes or graph != rides_graph(passes[-1][0])
+                or tokens + size > (graph_rows if graph else PREFILL_PASS_TOKENS)
+                or chunk.seq.scores_prompt() or passes[-1][0].seq.scores_prompt()):
             passes.append([chunk])
             tokens = size
         else:
