@@ -154,37 +154,45 @@ def test_preemption_and_chunked_prefill_keep_the_reference_tokens(model_dir: Pat
 def test_cached_prefixes_keep_the_reference_tokens(model_dir: Path, device: str) -> None:
     """Prefix caching (on CUDA beside graph decode and overlapped steps): a first request caches its
     prompt's full blocks; three more share 40 or 67 of its tokens and run at once, prefilling only
-    past the cached blocks (usage's cached_tokens: whole 16-token blocks), and every answer still
-    has the reference's greedy tokens."""
+    past the cached blocks (usage's cached_tokens: whole 16-token blocks). Every answer has the
+    reference's greedy tokens, and the tokens and logprobs of the same engine without the cache."""
     config = ModelConfig.from_hf(TINY_LLAMA)
     model = random_model(config, MAX_LEN, torch.float32, torch.device(device), seed=11)
     weights = {name: t.double().cpu() for name, t in model.checkpoint_tensors().items()}
     generator = torch.Generator().manual_seed(12)
     shared = torch.randint(0, 512, (70,), generator=generator).tolist()
     prompts = [shared, shared[:40] + [5, 6, 7], shared[:67] + [9], shared[:40] + [8] * 20]
-    engine = TorchEngine(model_dir, TorchEngineConfig(max_batch_size=4, max_model_len=MAX_LEN, device=device,
-                                                      dtype="float32"), model=model)
 
-    async def collect(request: GenerationRequest) -> tuple[list[int], int]:
-        tokens, cached = [], 0
-        async for delta in engine.generate(request):
-            tokens += delta.token_ids
-            cached = delta.cached_tokens if delta.cached_tokens is not None else cached
-        return tokens, cached
+    def run(prefix_caching: bool) -> list[tuple[list[int], list[float], int]]:
+        engine = TorchEngine(model_dir, TorchEngineConfig(max_batch_size=4, max_model_len=MAX_LEN, device=device,
+                                                          dtype="float32", prefix_caching=prefix_caching), model=model)
 
-    async def scenario() -> list[tuple[list[int], int]]:
-        await engine.start()
-        try:
-            requests = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=8, temperature=0.0))
-                        for i, p in enumerate(prompts)]
-            first = await collect(requests[0])
-            return [first, *await asyncio.gather(*(collect(r) for r in requests[1:]))]
-        finally:
-            await engine.shutdown()
+        async def collect(request: GenerationRequest) -> tuple[list[int], list[float], int]:
+            tokens, logprobs, cached = [], [], 0
+            async for delta in engine.generate(request):
+                tokens += delta.token_ids
+                logprobs += [lp.logprob for lp in delta.logprobs or []]
+                cached = delta.cached_tokens if delta.cached_tokens is not None else cached
+            return tokens, logprobs, cached
 
-    got = asyncio.run(scenario())
-    assert [cached for _, cached in got] == [0, 32, 64, 32]
-    assert [tokens for tokens, _ in got] == [reference_greedy(weights, config, p, 8) for p in prompts]
+        async def scenario() -> list[tuple[list[int], list[float], int]]:
+            await engine.start()
+            try:
+                requests = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=8, temperature=0.0, logprobs=0))
+                            for i, p in enumerate(prompts)]
+                first = await collect(requests[0])
+                return [first, *await asyncio.gather(*(collect(r) for r in requests[1:]))]
+            finally:
+                await engine.shutdown()
+
+        return asyncio.run(scenario())
+
+    cached, uncached = run(True), run(False)
+    assert [c for _, _, c in cached] == [0, 32, 64, 32] and [c for _, _, c in uncached] == [0] * 4
+    assert [tokens for tokens, _, _ in cached] == [reference_greedy(weights, config, p, 8) for p in prompts]
+    assert [tokens for tokens, _, _ in uncached] == [tokens for tokens, _, _ in cached]
+    for (_, with_cache, _), (_, without, _) in zip(cached, uncached):
+        assert len(with_cache) == 8 and max(abs(a - b) for a, b in zip(with_cache, without)) < 1e-3
 
 
 @cuda

@@ -154,3 +154,34 @@ def test_abort_ends_a_request_wherever_it_is():
     assert h.scheduler.idle() and h.cache.free_blocks == 16
     assert [d.finish_reason for d in h.deltas["prefilling"]] == ["abort"]
 
+
+
+def test_prompts_admitted_ahead_ride_whole_and_a_long_one_waits_in_progress():
+    """admit_ahead (mid-step, the decode about to be queued ahead): short prompts join the running
+    rows as last chunks up to the token budget; the first one over the per-chunk limit is admitted
+    into the prefill row and left for the next step's plan, which prefills it there."""
+    h = Harness(slots=4, blocks=16)
+    h.add("a", 5)
+    h.run_plan()  # "a" runs in row 0
+    for request_id, n in (("b", 6), ("c", 7), ("d", 40), ("e", 3)):
+        h.add(request_id, n)
+    chunks = h.scheduler.admit_ahead(max_tokens=100, max_chunk_tokens=16)
+    assert [(c.seq.request_id, c.row, c.end, c.last) for c in chunks] == [("b", 1, 6, True), ("c", 2, 7, True)]
+    assert [s.request_id for s in h.scheduler.running] == ["a", "b", "c"]
+    assert h.scheduler.prefilling.request_id == "d" and [s.request_id for s in h.scheduler.waiting] == ["e"]
+    for chunk in chunks:  # what the engine's queued-ahead pass does
+        chunk.seq.length = chunk.end
+        chunk.seq.prefill_tokens = []
+    plan = h.scheduler.schedule()
+    assert plan.num_decoding == 3
+    assert [(c.seq.request_id, c.row, c.end, c.last) for c in plan.chunks] == [("d", 3, 40, True)]
+    assert h.scheduler.admit_ahead(max_tokens=100, max_chunk_tokens=16) == []  # "e": no row left
+
+
+def test_admit_ahead_keeps_to_the_token_budget():
+    h = Harness(slots=4, blocks=16)
+    for request_id, n in (("a", 10), ("b", 10)):
+        h.add(request_id, n)
+    chunks = h.scheduler.admit_ahead(max_tokens=15, max_chunk_tokens=16)
+    assert [c.seq.request_id for c in chunks] == ["a"]
+    assert h.scheduler.prefilling.request_id == "b"  # over what is left of the budget: prefilled next step

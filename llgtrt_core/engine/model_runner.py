@@ -72,9 +72,17 @@ class ModelRunner:
             return None
         return torch.cat(logits) if len(logits) > 1 else logits[0]
 
-    def decode(self, batch: list[Sequence], token_ids: torch.Tensor) -> torch.Tensor:
+    def decode(self, batch: list[Sequence], token_ids: torch.Tensor,
+               chunks: Optional[list[Chunk]] = None) -> torch.Tensor:
         """One batched decode of `token_ids` (on the device) at each sequence's next position (rows
-        0..n-1, their blocks allocated); the caller advances the lengths."""
+        0..n-1, their blocks allocated); the caller advances the lengths. `chunks` (whole prompts
+        that ride the graphs, `ride_room`) are prefilled in the same replay: their last logits
+        follow the decoded rows', and their sequences' lengths are advanced here."""
+        if chunks:
+            logits = self._graph_pass(batch, chunks, token_ids)
+            for chunk in chunks:
+                chunk.seq.length = chunk.end
+            return logits
         positions = [seq.length for seq in batch]
         positions_tensor = int64_to_device(positions, self.device)
         if self.decode_graphs is not None:
@@ -95,6 +103,13 @@ class ModelRunner:
         return (not any(c.seq.scores_prompt() for c in chunks)
                 and sum(c.num_tokens for c in chunks) <= PREFILL_PASS_TOKENS)
 
+    def ride_room(self, num_decoding: int) -> tuple[int, int]:
+        """Prompt tokens that can ride in a decode of `num_decoding` rows: in all, and per chunk
+        (none without graphs)."""
+        if self.decode_graphs is None or not self.mixed_prefill:
+            return 0, 0
+        return self.decode_graphs.max_rows - num_decoding, GRAPH_CHUNK_TOKENS
+
     def _rides_graph(self, chunk: Chunk) -> bool:
         return (self.decode_graphs is not None and chunk.num_tokens <= GRAPH_CHUNK_TOKENS
                 and not chunk.seq.scores_prompt())
@@ -102,8 +117,7 @@ class ModelRunner:
     def _mixed(self, batch: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
         self.num_mixed_steps += 1
         if self.decode_graphs is not None:
-            logits = self._graph_pass([(seq.pending_tokens[0], seq.length, row) for row, seq in enumerate(batch)],
-                                      chunks)
+            logits = self._graph_pass(batch, chunks)
         else:
             positions = [seq.length for seq in batch]
             tokens = int64_to_device([seq.pending_tokens[0] for seq in batch], self.device)
@@ -156,18 +170,24 @@ class ModelRunner:
     def _graph_rows(self) -> int:
         return self.decode_graphs.max_rows if self.decode_graphs is not None else 0
 
-    def _graph_pass(self, decoding: list[tuple[int, int, int]], chunks: list[Chunk]) -> torch.Tensor:
-        """One replay of the decode graphs over `decoding` rows ((token, position, cache row) each)
-        and every token of `chunks`; the decoding rows' logits, then each chunk's last token's."""
-        rows = decoding + [(token, position, c.row) for c in chunks
-                           for position, token in enumerate(c.seq.prefill_tokens[c.seq.length:c.end], c.seq.length)]
-        ends = itertools.accumulate([len(decoding), *(c.num_tokens for c in chunks)])
-        picked = [*range(len(decoding)), *(end - 1 for end in itertools.islice(ends, 1, None))]
-        inputs = int64_to_device([*(r[0] for r in rows), *(r[1] for r in rows), *(r[2] for r in rows), *picked],
-                                 self.device)
-        n = len(rows)
-        logits = self.decode_graphs.decode(inputs[:n], inputs[n:2 * n], inputs[2 * n:3 * n])
-        return logits.index_select(0, inputs[3 * n:])
+    def _graph_pass(self, batch: list[Sequence], chunks: list[Chunk],
+                    decode_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One replay of the decode graphs: row i of `batch` decodes its pending token (or
+        decode_tokens[i], on the device) in cache row i, and every token of `chunks` is a row of
+        its own; the decoded rows' logits, then each chunk's last token's."""
+        prompt = [(token, position, c.row) for c in chunks
+                  for position, token in enumerate(c.seq.prefill_tokens[c.seq.length:c.end], c.seq.length)]
+        decoding = [(None if decode_tokens is not None else seq.pending_tokens[0], seq.length, row)
+                    for row, seq in enumerate(batch)]
+        rows = decoding + prompt
+        ends = itertools.accumulate([len(batch), *(c.num_tokens for c in chunks)])
+        picked = [*range(len(batch)), *(end - 1 for end in itertools.islice(ends, 1, None))]
+        host_tokens = [r[0] for r in (prompt if decode_tokens is not None else rows)]
+        inputs = int64_to_device([*host_tokens, *(r[1] for r in rows), *(r[2] for r in rows), *picked], self.device)
+        n, t = len(rows), len(host_tokens)
+        tokens = inputs[:t] if decode_tokens is None else torch.cat([decode_tokens, inputs[:t]])
+        logits = self.decode_graphs.decode(tokens, inputs[t:t + n], inputs[t + n:t + 2 * n])
+        return logits.index_select(0, inputs[t + 2 * n:])
 
     def _extend_scoring_prompt(self, seq: Sequence, tokens: torch.Tensor, row: int) -> torch.Tensor:
         """`extend` with these tokens, also scoring the prompt tokens they predict under the model

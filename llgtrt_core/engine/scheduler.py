@@ -201,13 +201,8 @@ class Scheduler:
         chunks: list[Chunk] = []
         while budget > 0:
             slot = len(self.running)
-            if self.prefilling is not None:
-                seq = self.prefilling
-            elif self.waiting and slot < self.blocks.num_slots and self._fits(self.waiting[0]):
-                seq = self.prefilling = self.waiting.popleft()  # held here: a failed step ends it
-                self._claim_prefix(seq)
-                self._admit(seq)
-            else:
+            seq = self.prefilling or self._admit_next()
+            if seq is None:
                 break
             end = min(len(seq.prefill_tokens), seq.length + budget)
             last = end == len(seq.prefill_tokens)
@@ -223,6 +218,40 @@ class Scheduler:
                 chunks.append(Chunk(seq, self.blocks.prefill_row, end, last=False))
                 break
         return chunks
+
+    def admit_ahead(self, max_tokens: int, max_chunk_tokens: int) -> list[Chunk]:
+        """Mid-step, with the next decode about to be queued ahead: admit waiting prompts that can
+        ride in it (whole, at most `max_chunk_tokens` left to prefill each, `max_tokens` together,
+        not scoring their prompt); each joins the running rows now, as a last chunk. A prompt
+        admitted that does not qualify stays in progress for the next step's plan."""
+        if self.prefill_chunk_tokens:
+            max_tokens = min(max_tokens, self.prefill_chunk_tokens)
+        chunks: list[Chunk] = []
+        while self.prefilling is None:
+            seq = self._admit_next()
+            if seq is None:
+                break
+            end = len(seq.prefill_tokens)
+            size = end - seq.length
+            if (size > min(max_tokens, max_chunk_tokens) or seq.scores_prompt()
+                    or not self.blocks.allocate(self.blocks.prefill_row, end + 1)):
+                break
+            max_tokens -= size
+            slot = len(self.running)
+            self.blocks.move(self.blocks.prefill_row, slot)
+            self._join(seq, slot)
+            chunks.append(Chunk(seq, slot, end, last=True))
+        return chunks
+
+    def _admit_next(self) -> Optional[Sequence]:
+        """The first waiting sequence, admitted into the prefill row if a row and its blocks are
+        free (its cached prefix claimed); None otherwise."""
+        if not (self.waiting and len(self.running) < self.blocks.num_slots and self._fits(self.waiting[0])):
+            return None
+        seq = self.prefilling = self.waiting.popleft()  # held here: a failed step ends it
+        self._claim_prefix(seq)
+        self._admit(seq)
+        return seq
 
     def _fits(self, seq: Sequence) -> bool:
         """Whether the blocks free now hold `seq`'s prompt (its cached prefix shared), with room to

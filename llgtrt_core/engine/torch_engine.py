@@ -20,8 +20,10 @@ next step's decode of every running row is queued too, fed the sampled tokens on
 before the host reads them. The host's per-step work (handing out tokens, the grammar commits,
 the next mask fill) then runs while the GPU decodes instead of between decodes. A row that
 turns out finished was decoded once for nothing; tokens a grammar forces after the sampled one
-are fed by `extend_batch` in the next step. When the next step will admit a prompt, nothing is
-queued ahead: that step decodes and prefills in one pass (`ModelRunner`).
+are fed by `extend_batch` in the next step. Prompts that arrived meanwhile ride in the decode
+queued ahead when they can (under CUDA graphs, short ones: each prompt token a row of the replay,
+model_runner.py): they are admitted then, and join the running rows. Without graphs, when the next
+step will admit a prompt nothing is queued ahead: that step decodes and prefills in one pass.
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ class TorchEngine(Engine):
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._held: list[tuple[object, object]] = []  # aborts and shutdown taken mid-step, applied next
         # Deltas emitted by the engine thread since its last delivery: (route, delta).
         self._outbox: list[tuple[object, TokenDelta]] = []
         self._deliver_outbox = deliver or _deliver_to_event_loops
@@ -311,18 +314,25 @@ class TorchEngine(Engine):
         metrics.record_engine_state(len(self.scheduler.running), len(self.scheduler.waiting), self.cache.usage,
                                     self.cache.blocks.cached_blocks)
 
-    def _drain_commands(self, block: bool) -> bool:
-        """Apply queued adds and aborts; False once shutdown was asked for."""
+    def _drain_commands(self, block: bool, adds_only: bool = False) -> bool:
+        """Apply queued adds and aborts; False once shutdown was asked for. adds_only (mid-step,
+        before the rows are advanced): aborts and shutdown are held for the next call."""
+        held, self._held = self._held, []
         while True:
-            try:
-                kind, payload = self._commands.get(block=block)
-            except queue.Empty:
-                return True
+            if held:
+                kind, payload = held.pop(0)
+            else:
+                try:
+                    kind, payload = self._commands.get(block=block)
+                except queue.Empty:
+                    return True
             block = False
-            if kind is _STOP:
-                return False
             if kind == "add":
                 self.scheduler.add(payload)
+            elif adds_only:
+                self._held.append((kind, payload))
+            elif kind is _STOP:
+                return False
             else:
                 self.scheduler.abort(payload)
 
@@ -355,14 +365,7 @@ class TorchEngine(Engine):
                            if seq.request.sampling.dry is not None])
         pending = self.sampler.sample_async(logits, None, masks)
         self.phases.mark("sample")
-        # The GPU decodes the sampled tokens while the host reads and hands them out, unless the next
-        # step admits a prompt (one waits, or a command arrived since this step began: most likely a
-        # request): it then decodes and prefills in one pass.
-        fed = self.overlap_steps and not (self.config.mixed_prefill and self.scheduler.admits_next(
-            self._reaches_length, arrived=self._commands.qsize() > 0))
-        if fed:
-            self._ahead = self.runner.decode(running, pending.tokens)
-            self.phases.mark("decode_ahead")
+        fed = self.overlap_steps and self._queue_ahead(running, pending.tokens)
         sampled = pending.result()
         self.phases.mark("gpu_wait")
         failed = fill.failed_rows()
@@ -378,6 +381,26 @@ class TorchEngine(Engine):
         for index in reversed(finished):
             self.scheduler.remove(index)
         self.phases.mark("advance")
+
+    def _queue_ahead(self, running: list[Sequence], tokens: torch.Tensor) -> bool:
+        """Queue the next step's decode of the running rows, fed the tokens being sampled, so the GPU
+        decodes while the host reads and hands them out. Prompts that arrived can ride in that decode
+        (under graphs: short ones, admitted now); without graphs, a step about to admit a prompt
+        queues nothing, and the next step decodes and prefills in one pass. Whether it queued."""
+        rows = running[:]  # admissions append to `running`
+        room = self.runner.ride_room(len(rows))
+        if room[0] > 0:
+            self._drain_commands(block=False, adds_only=True)
+            chunks = self.scheduler.admit_ahead(*room)
+        elif self.config.mixed_prefill and self.scheduler.admits_next(self._reaches_length,
+                                                                      arrived=self._commands.qsize() > 0):
+            return False
+        else:
+            chunks = []
+        self._ahead = self.runner.decode(rows, tokens, chunks)
+        self._emit_prefilled(StepPlan(0, chunks))
+        self.phases.mark("decode_ahead")
+        return True
 
     def _reaches_length(self, seq: Sequence) -> bool:
         """Whatever it samples now, `seq` ends this step: at max_tokens, or at the context (which
