@@ -79,6 +79,7 @@ class ModelRunner:
         that ride the graphs, `ride_room`) are prefilled in the same replay: their last logits
         follow the decoded rows', and their sequences' lengths are advanced here."""
         if chunks:
+            self.num_mixed_steps += 1
             logits = self._graph_pass(batch, chunks, token_ids)
             for chunk in chunks:
                 chunk.seq.length = chunk.end
