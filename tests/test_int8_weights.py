@@ -75,7 +75,8 @@ def greedy_logprobs(model: LlamaForCausalLM, prompt: list[int], forced: list[int
     """STEPS tokens after `prompt`: the model's greedy picks, or `forced` ones fed instead (so two
     models are compared at the same positions); returns them and the logprobs (STEPS, vocab) each
     step saw. The prompt goes through prefill (the dense path), the steps through batch-1 decode
-    (the int8 kernel), with `layer_decode` when given (a compiled step)."""
+    (the int8 kernel), with `layer_decode` when given (a compiled step), their inputs made in
+    inference mode as the engine's are (a compiled step's graphs are specific to that)."""
     config = model.config
     dtype = model.model.embed_tokens.weight.dtype
     cache = KVCache(config.num_layers, 1, config.num_kv_heads, config.head_dim, 256, dtype, torch.device("cpu"))
@@ -87,8 +88,9 @@ def greedy_logprobs(model: LlamaForCausalLM, prompt: list[int], forced: list[int
         logprobs.append(logits.float().log_softmax(-1))
         tokens.append(forced[step] if forced else int(logits.argmax()))
         position = len(prompt) + step
-        logits = model.decode(torch.tensor([tokens[-1]]), torch.tensor([position]), position + 1, cache,
-                              cache.block_table[:1], layer_decode)[0]
+        with torch.inference_mode():
+            logits = model.decode(torch.tensor([tokens[-1]]), torch.tensor([position]), position + 1, cache,
+                                  cache.block_table[:1], layer_decode)[0]
     return tokens, torch.stack(logprobs)
 
 

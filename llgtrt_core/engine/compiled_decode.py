@@ -43,9 +43,12 @@ def warm_up_shapes(max_batch: int, block_size: int) -> list[tuple[int, int]]:
 
 
 class CompiledDecode:
-    def __init__(self, model: LlamaForCausalLM, cache: KVCache):
-        """cache: the engine's, for its geometry only (the warm-up runs on scratch tensors)."""
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, on_miss: str = "eager_on_recompile"):
+        """cache: the engine's, for its geometry only (the warm-up runs on scratch tensors).
+        on_miss: torch.compiler stance for a step no graph fits: run it eagerly, or (tests)
+        "fail_on_recompile" to raise."""
         self.model = model
+        self.on_miss = on_miss
         self.max_batch = cache.num_slots
         self.block_size = cache.block_size
         self.table_width = cache.block_table.shape[1]
@@ -68,7 +71,7 @@ class CompiledDecode:
         return self._run if self.ready.is_set() else None
 
     def _run(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.compiler.set_stance("eager_on_recompile"):
+        with torch.compiler.set_stance(self.on_miss):
             return self._compiled(*args)
 
     def _compile(self) -> None:
@@ -76,7 +79,10 @@ class CompiledDecode:
 
         started = time.perf_counter()
         try:
-            self._compiled = torch.compile(DecoderLayer.decode, dynamic=True, options=INDUCTOR_OPTIONS)
+            # Isolated: another model's graphs (a second engine in one process) neither count
+            # against this one's recompile limit nor lengthen its lookups.
+            self._compiled = torch.compile(DecoderLayer.decode, dynamic=True, options=INDUCTOR_OPTIONS,
+                                           isolate_recompiles=True)
             # Without duck sizing: a warm-up size that happens to equal another (2 rows, 2 keys)
             # would otherwise tie the two in every graph.
             with fx_config.patch(use_duck_shape=False):
@@ -87,31 +93,34 @@ class CompiledDecode:
         self.ready.set()
         logger.info("compiled the cpu decode step in %.1f s", time.perf_counter() - started)
 
-    @torch.inference_mode()  # as the engine's steps run: the graphs are specialized to it
     def _warm_up(self) -> None:
         """Run the compiled layer over every warm-up shape, on scratch tensors (the engine's cache
-        is the engine thread's): every layer once per shape, so no layer finds a graph missing."""
+        is the engine thread's) of the kinds a step gets (graphs are specific to them): the cache
+        and its table normal tensors, the rest made in inference mode. Every layer runs once per
+        shape, so no layer finds a graph missing."""
         model = self.model
-        layer = model.model.layers[0]
-        weight = layer.input_layernorm.weight
+        dtype = model.model.norm.weight.dtype
         kv_heads, head_dim = model.config.num_kv_heads, model.config.head_dim
         shapes = warm_up_shapes(self.max_batch, self.block_size)
         blocks_per_row = -(-max(key_len for _, key_len in shapes) // self.block_size)
-        keys = torch.zeros(blocks_per_row * self.max_batch + 1, kv_heads, self.block_size, head_dim, dtype=weight.dtype)
+        keys = torch.zeros(blocks_per_row * self.max_batch + 1, kv_heads, self.block_size, head_dim, dtype=dtype)
         values = torch.zeros_like(keys)
         table = torch.zeros(self.max_batch + 1, self.table_width, dtype=torch.long)  # as the cache's: a prefill row
         table[: self.max_batch, :blocks_per_row] = torch.arange(1, keys.shape[0]).view(self.max_batch, -1)
-        for n, key_len in shapes:
-            block_table = table[:n]
-            positions = torch.full((n,), key_len - 1, dtype=torch.long)
-            x = torch.zeros(n, model.config.hidden_size, dtype=weight.dtype)
-            residual = torch.zeros_like(x)
-            # Only the batch, the key length and the cache's block count vary: the model's own sizes
-            # stay constants of the graph (vectorized loops, guards that are cheap to check).
-            for tensor, dims in ((x, [1]), (residual, [1]), (keys, [1, 2, 3]), (values, [1, 2, 3]),
-                                 (block_table, [1]), (model.rope_cos, [0, 1]), (model.rope_sin, [0, 1])):
-                for dim in dims:
-                    torch._dynamo.mark_static(tensor, dim)
-            for layer in model.model.layers[1:]:
-                x, residual = self._compiled(layer, x, residual, TORCH_OPS, model.rope_cos, model.rope_sin, keys,
-                                             values, block_table, positions, key_len)
+        # Only the batch, the key length and the cache's block count vary: the model's own sizes
+        # stay constants of the graph (vectorized loops, guards that are cheap to check).
+        for tensor, dims in ((keys, [1, 2, 3]), (values, [1, 2, 3]), (model.rope_cos, [0, 1]),
+                             (model.rope_sin, [0, 1])):
+            for dim in dims:
+                torch._dynamo.mark_static(tensor, dim)
+        with torch.inference_mode():
+            for n, key_len in shapes:
+                block_table = table[:n]
+                positions = torch.full((n,), key_len - 1, dtype=torch.long)
+                x = torch.zeros(n, model.config.hidden_size, dtype=dtype)
+                residual = torch.zeros_like(x)
+                for tensor in (x, residual, block_table):
+                    torch._dynamo.mark_static(tensor, 1)
+                for layer in model.model.layers[1:]:
+                    x, residual = self._compiled(layer, x, residual, TORCH_OPS, model.rope_cos, model.rope_sin, keys,
+                                                 values, block_table, positions, key_len)
