@@ -1,5 +1,6 @@
 """The model's forward passes alone on the CPU: a prefill and decode steps at batch 1 and 8, for
-each weight format, rounds alternating between the formats (a shared machine slows them alike).
+each weight format (int8+compiled: int8 with the engine's compiled decode layers,
+engine/compiled_decode.py), rounds alternating between the formats (a shared machine slows them alike).
 --profile adds torch.profiler's table of the ops that took the time (matmuls vs the rest).
 
     BENTOML_HOME=/tmp/bench-home python pack_model.py   # once
@@ -21,27 +22,43 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine_cpu import default_model_dir  # noqa: E402  (bench/ is the script's folder)
+from llgtrt_core.engine.compiled_decode import CompiledDecode  # noqa: E402
 from llgtrt_core.engine.kv_cache import KVCache  # noqa: E402
 from llgtrt_core.models.loader import load_model  # noqa: E402
 from measure import machine  # noqa: E402
 
-FORMATS = {"float32": (torch.float32, False), "bfloat16": (torch.bfloat16, False), "int8": (torch.bfloat16, True)}
+# name: (dtype, int8 weights, compiled decode layers)
+FORMATS = {"float32": (torch.float32, False, False), "bfloat16": (torch.bfloat16, False, False),
+           "int8": (torch.bfloat16, True, False), "int8+compiled": (torch.bfloat16, True, True)}
 MAX_LEN = 1024
 CONTEXT = 200  # tokens already cached when a decode step runs
+COMPILE_TIMEOUT_S = 1800
 
 
-def passes(model, dtype: torch.dtype, prompt_tokens: int, seed: int) -> dict[str, Callable[[], torch.Tensor]]:
+def passes(model, dtype: torch.dtype, compile_decode: bool, prompt_tokens: int, seed: int
+           ) -> dict[str, Callable[[], torch.Tensor]]:
     config = model.config
     cache = KVCache(config.num_layers, 8, config.num_kv_heads, config.head_dim, MAX_LEN, dtype, torch.device("cpu"))
     for row in range(8):
         cache.allocate(row, CONTEXT + 64)
     cache.sync_table()
+    layer_decode = None
+    if compile_decode:
+        started = time.perf_counter()
+        compiled = CompiledDecode(model, cache)
+        compiled.start()
+        if not compiled.wait(COMPILE_TIMEOUT_S):
+            raise SystemExit("compiling the decode layers failed or timed out")
+        print(f"compiled the decode layers in {time.perf_counter() - started:.1f} s", flush=True)
+        layer_decode = compiled.layer_decode()
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, config.vocab_size, (prompt_tokens,), generator=generator)
 
+    @torch.inference_mode()  # the inputs made as the engine makes them: compiled graphs are specific to that
     def decode(n: int) -> torch.Tensor:
         tokens = torch.randint(0, config.vocab_size, (n,), generator=generator)
-        return model.decode(tokens, torch.full((n,), CONTEXT), CONTEXT + 1, cache, cache.block_table[:n])
+        return model.decode(tokens, torch.full((n,), CONTEXT), CONTEXT + 1, cache, cache.block_table[:n],
+                            layer_decode)
 
     return {f"prefill {prompt_tokens}": lambda: model.extend(prompt, cache, slot=8 - 1),
             "decode 1": lambda: decode(1), "decode 8": lambda: decode(8)}
@@ -70,8 +87,8 @@ def main() -> None:
     model_dir = default_model_dir()
     models = {}
     for name in args.formats.split(","):
-        dtype, int8 = FORMATS[name]
-        models[name] = passes(load_model(model_dir, MAX_LEN, dtype, torch.device("cpu"), int8), dtype,
+        dtype, int8, compile_decode = FORMATS[name]
+        models[name] = passes(load_model(model_dir, MAX_LEN, dtype, torch.device("cpu"), int8), dtype, compile_decode,
                               args.prompt_tokens, args.seed)
     print(f"{machine()}; {args.threads} thread(s); seed {args.seed}", flush=True)
     times: dict[tuple[str, str], list[float]] = {}

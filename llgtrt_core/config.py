@@ -73,6 +73,10 @@ class RuntimeConfig:
     cpu_threads: Optional[int] = option(None, "PyTorch engine on cpu: torch intra-op threads; null: all cores "
                                               "but one (the event loop and llguidance need one). Env "
                                               "LLGTRT_CPU_THREADS.")
+    cpu_compile: Optional[bool] = option(None, "PyTorch engine on cpu: compile the decode step's layers "
+                                               "(torch.compile, a C++ compiler needed) in the background at start, "
+                                               "the eager step serving meanwhile; null: on with int8 weights. Env "
+                                               "LLGTRT_CPU_COMPILE (true/false).")
     prefill_chunk_tokens: Optional[int] = option(None, "PyTorch engine: prompt tokens prefilled per engine step; a "
                                                        "longer prompt is prefilled a chunk per step while running "
                                                        "sequences keep decoding. null or 0: whole prompts in one "
@@ -249,6 +253,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "LLGTRT_DTYPE": ("runtime", "dtype"),
     "LLGTRT_WEIGHTS": ("runtime", "weights"),
     "LLGTRT_CPU_THREADS": ("runtime", "cpu_threads"),
+    "LLGTRT_CPU_COMPILE": ("runtime", "cpu_compile"),
     "LLGTRT_PREFILL_CHUNK_TOKENS": ("runtime", "prefill_chunk_tokens"),
     "LLGTRT_TOOL_FORMAT": ("tokenizer", "tool_format"),
     "LLGTRT_API_KEY": ("server", "api_key"),
@@ -294,6 +299,10 @@ def load_config(paths: Optional[Sequence[Path]] = None, env: Optional[Mapping[st
                 if not value.isdigit():
                     raise ConfigError(f"{name}: expected a non-negative integer, got {value!r}")
                 value = int(value)
+            elif _base_type(hint) is bool:
+                if value.lower() not in ("true", "false"):
+                    raise ConfigError(f"{name}: expected true or false, got {value!r}")
+                value = value.lower() == "true"
             merged = merge(merged, {section: {key: value}})
     return Config.from_mapping(merged)
 

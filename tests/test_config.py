@@ -156,6 +156,14 @@ def test_a_bad_integer_variable_is_an_error() -> None:
         load_config(env={"LLGTRT_MAX_BATCH_SIZE": "eight"})
 
 
+def test_a_boolean_variable_takes_true_or_false() -> None:
+    assert load_config(env={}).runtime.cpu_compile is None
+    assert load_config(env={"LLGTRT_CPU_COMPILE": "false"}).runtime.cpu_compile is False
+    assert load_config(env={"LLGTRT_CPU_COMPILE": "True"}).runtime.cpu_compile is True
+    with pytest.raises(ConfigError, match="LLGTRT_CPU_COMPILE"):
+        load_config(env={"LLGTRT_CPU_COMPILE": "0"})
+
+
 def test_the_service_refuses_to_start_on_an_unknown_key(tmp_path: Path) -> None:
     config = write(tmp_path / "c.json5", "{server: {max_concurent_requests: 4}}")
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "BENTOML_HOME": str(tmp_path / "bentoml"),

@@ -15,7 +15,7 @@ from llgtrt_core.engine.interface import GenerationRequest, SamplingParams
 from llgtrt_core.engine.kv_cache import KVCache
 from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig
 from llgtrt_core.layers.int8_linear import Int8Linear
-from llgtrt_core.models.llama import LlamaForCausalLM
+from llgtrt_core.models.llama import LayerDecode, LlamaForCausalLM
 from llgtrt_core.models.loader import load_model
 
 pytestmark = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
@@ -70,12 +70,13 @@ def int8_model(stored_model_dir: Path) -> LlamaForCausalLM:
     return load_model(stored_model_dir, 256, torch.bfloat16, torch.device("cpu"), int8_weights=True)
 
 
-def greedy_logprobs(model: LlamaForCausalLM, prompt: list[int], forced: list[int] | None = None
-                    ) -> tuple[list[int], torch.Tensor]:
+def greedy_logprobs(model: LlamaForCausalLM, prompt: list[int], forced: list[int] | None = None,
+                    layer_decode: LayerDecode | None = None) -> tuple[list[int], torch.Tensor]:
     """STEPS tokens after `prompt`: the model's greedy picks, or `forced` ones fed instead (so two
     models are compared at the same positions); returns them and the logprobs (STEPS, vocab) each
     step saw. The prompt goes through prefill (the dense path), the steps through batch-1 decode
-    (the int8 kernel)."""
+    (the int8 kernel), with `layer_decode` when given (a compiled step), their inputs made in
+    inference mode as the engine's are (a compiled step's graphs are specific to that)."""
     config = model.config
     dtype = model.model.embed_tokens.weight.dtype
     cache = KVCache(config.num_layers, 1, config.num_kv_heads, config.head_dim, 256, dtype, torch.device("cpu"))
@@ -87,17 +88,19 @@ def greedy_logprobs(model: LlamaForCausalLM, prompt: list[int], forced: list[int
         logprobs.append(logits.float().log_softmax(-1))
         tokens.append(forced[step] if forced else int(logits.argmax()))
         position = len(prompt) + step
-        logits = model.decode(torch.tensor([tokens[-1]]), torch.tensor([position]), position + 1, cache,
-                              cache.block_table[:1])[0]
+        with torch.inference_mode():
+            logits = model.decode(torch.tensor([tokens[-1]]), torch.tensor([position]), position + 1, cache,
+                                  cache.block_table[:1], layer_decode)[0]
     return tokens, torch.stack(logprobs)
 
 
-def closeness(model: LlamaForCausalLM, prompts, reference) -> tuple[float, float]:
-    """(share of steps whose greedy pick equals float32's, largest top-k logprob difference), both
-    along float32's own continuations."""
+def closeness(model: LlamaForCausalLM, prompts, reference, layer_decode: LayerDecode | None = None
+              ) -> tuple[float, float]:
+    """(share of steps whose greedy pick equals the reference's, largest top-k logprob difference),
+    both along the reference's own continuations (float32's, or another model's)."""
     agree, worst = 0, 0.0
     for prompt, tokens, want in zip(prompts, *reference):
-        _, got = greedy_logprobs(model, prompt, forced=tokens)
+        _, got = greedy_logprobs(model, prompt, forced=tokens, layer_decode=layer_decode)
         agree += int((got.argmax(-1) == want.argmax(-1)).sum())
         top = want.topk(TOP_K, dim=-1).indices
         worst = max(worst, float((got.gather(-1, top) - want.gather(-1, top)).abs().max()))
@@ -138,7 +141,7 @@ def test_constrained_answers_stay_valid_with_int8(stored_model_dir: Path, tokeni
 
     async def scenario() -> list[str]:
         compiler = GrammarCompiler(ll_tokenizer)
-        engine = TorchEngine(stored_model_dir, TorchEngineConfig(device="cpu", max_batch_size=4),
+        engine = TorchEngine(stored_model_dir, TorchEngineConfig(device="cpu", max_batch_size=4, cpu_compile=False),
                              MaskPostProcessor(ll_tokenizer, max_batch_size=4))
         assert engine.config.resolve_int8_weights(engine.device)
         await engine.start()

@@ -47,7 +47,8 @@ def test_the_adapters_post_processor_drives_the_embedded_engine(stored_model_dir
 
     async def generate() -> tuple[str, str]:
         compiler = GrammarCompiler(ll_tokenizer)
-        engine = TorchEngine(stored_model_dir, TorchEngineConfig(device="cpu", max_batch_size=2), adapter.postprocessor)
+        engine = TorchEngine(stored_model_dir, TorchEngineConfig(device="cpu", max_batch_size=2, cpu_compile=False),
+                             adapter.postprocessor)
         await engine.start()
         try:
             compiled = await compiler.compile(json_schema_grammar(SCHEMA))

@@ -94,7 +94,7 @@ def engine_factory(stored_model_dir: Path, ll_tokenizer):
     from llgtrt_core.constraints.postprocessor import MaskPostProcessor
 
     def make(constrained: bool = False, **config) -> TorchEngine:
-        config = TorchEngineConfig(**{"device": "cpu", **config})
+        config = TorchEngineConfig(**{"device": "cpu", "cpu_compile": False, **config})
         post_processor = MaskPostProcessor(ll_tokenizer, max_batch_size=config.max_batch_size) if constrained else None
         return TorchEngine(stored_model_dir, config, post_processor)
 
@@ -497,7 +497,7 @@ def test_a_request_whose_admission_fails_gets_an_error(stored_model_dir: Path, t
     from llgtrt_core.constraints.postprocessor import MaskPostProcessor
 
     async def scenario():
-        engine = TorchEngine(stored_model_dir, TorchEngineConfig(device="cpu", max_batch_size=2),
+        engine = TorchEngine(stored_model_dir, TorchEngineConfig(device="cpu", max_batch_size=2, cpu_compile=False),
                              MaskPostProcessor(LLTokenizer("byte"), max_batch_size=2))
         await engine.start()
         try:

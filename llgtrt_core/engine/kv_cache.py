@@ -191,8 +191,11 @@ class KVCache:
             return
         for tensors in (self.keys, self.values):
             for layer, tensor in enumerate(tensors):
-                grown = tensor.new_zeros(new, *tensor.shape[1:])
-                grown[:old] = tensor
+                # Normal tensors like the first ones, though steps run in inference mode: a compiled
+                # decode (compiled_decode.py) has graphs for one kind of tensor, not both.
+                with torch.inference_mode(False):
+                    grown = tensor.new_zeros(new, *tensor.shape[1:])
+                    grown[:old] = tensor
                 tensors[layer] = grown
 
     # ---- reads and writes (device) ------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
+from llgtrt_core.engine.compiled_decode import CompiledDecode
 from llgtrt_core.engine.decode_graphs import DecodeGraphs
 from llgtrt_core.engine.kv_cache import KVCache
 from llgtrt_core.engine.sampler import token_logprobs
@@ -33,8 +34,10 @@ GRAPH_CHUNK_TOKENS = 128  # a prompt chunk up to this long is computed by the de
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, device: torch.device,
-                 decode_graphs: Optional[DecodeGraphs], mixed_prefill: bool = True):
+                 decode_graphs: Optional[DecodeGraphs], mixed_prefill: bool = True,
+                 compiled_decode: Optional[CompiledDecode] = None):
         self.model = model
+        self.compiled_decode = compiled_decode
         self.mixed_prefill = mixed_prefill
         self.cache = cache
         self.device = device
@@ -88,8 +91,9 @@ class ModelRunner:
         positions_tensor = int64_to_device(positions, self.device)
         if self.decode_graphs is not None:
             return self.decode_graphs.decode(token_ids, positions_tensor)
+        layer_decode = None if self.compiled_decode is None else self.compiled_decode.layer_decode()
         return self.model.decode(token_ids, positions_tensor, max(positions) + 1, self.cache,
-                                 self.cache.block_table[: len(batch)])
+                                 self.cache.block_table[: len(batch)], layer_decode)
 
     def _mixes(self, batch: list[Sequence], chunks: list[Chunk]) -> bool:
         """Decode and prefill share one pass: there are prompts, none scores its logprobs (that pass

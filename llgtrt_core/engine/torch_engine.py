@@ -43,6 +43,7 @@ import torch
 
 from llgtrt_core import metrics
 from llgtrt_core.engine.constraint_stage import ConstraintStage
+from llgtrt_core.engine.compiled_decode import CompiledDecode
 from llgtrt_core.engine.decode_graphs import DecodeGraphs
 from llgtrt_core.engine.dry import apply_dry
 from llgtrt_core.engine.interface import (
@@ -75,6 +76,7 @@ class TorchEngineConfig:
     dtype: Optional[str] = None  # default: bfloat16 on cuda and on a cpu with bfloat16 kernels, else float32
     weights: Optional[str] = None  # "int8" (weight-only, cpu) or "dense"; default: int8 on cpu in bfloat16
     cpu_threads: Optional[int] = None  # torch intra-op threads on cpu; default: all cores but one
+    cpu_compile: Optional[bool] = None  # compiled decode layers on cpu (compiled_decode.py); default: with int8 weights
     cuda_graphs: bool = True  # decode under CUDA graphs (cuda only)
     fast_forward: bool = True  # feed the tokens a grammar forces in one forward pass, unsampled
     prefill_chunk_tokens: Optional[int] = None  # prompt tokens prefilled per step; None or 0: whole prompts
@@ -107,6 +109,13 @@ class TorchEngineConfig:
         if self.weights == "int8" and device.type != "cpu":
             raise ValueError("int8 weights run on the cpu only")
         return self.weights == "int8"
+
+    def resolve_cpu_compile(self, device: torch.device) -> bool:
+        """On for the CPU default (int8 weights), whose compiled step is tested against the eager
+        one (tests/test_compiled_decode.py); never on cuda (CUDA graphs)."""
+        if device.type != "cpu":
+            return False
+        return self.resolve_int8_weights(device) if self.cpu_compile is None else self.cpu_compile
 
     def resolve_cpu_threads(self) -> int:
         """One core is left to the rest of the server (event loop, HTTP, the grammar threads that
@@ -188,7 +197,12 @@ class TorchEngine(Engine):
             decode_graphs = await asyncio.to_thread(DecodeGraphs, self.model, self.cache)
             logger.info("captured %d decode graphs in %.1f s", len(decode_graphs.buckets),
                         time.perf_counter() - started)
-        self.runner = ModelRunner(self.model, self.cache, self.device, decode_graphs, self.config.mixed_prefill)
+        compiled_decode = None
+        if self.config.resolve_cpu_compile(self.device):
+            compiled_decode = CompiledDecode(self.model, self.cache)
+            compiled_decode.start()  # the eager step serves until it is compiled
+        self.runner = ModelRunner(self.model, self.cache, self.device, decode_graphs, self.config.mixed_prefill,
+                                  compiled_decode)
         self.scheduler = Scheduler(self.cache, self.config.prefill_chunk_tokens, self._prepare, self._join,
                                    self._move_row)
         self.constraints.start()

@@ -30,10 +30,15 @@ def decode_attention(
     n, heads, head_dim = q.shape
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     blocks = block_table[:n, : -(-key_len // block_size)]
-    keys, values = gather_blocks(key_cache, blocks, key_len), gather_blocks(value_cache, blocks, key_len)
+    # Whole blocks: the keys past a row's position are masked anyway, and one shape per block
+    # count keeps a compiled step (engine/compiled_decode.py) from specializing on ragged ends.
+    key_len = blocks.shape[1] * block_size
+    # float32 throughout: the CPU's bfloat16 matmuls take 3-5x longer at these sizes (a query row
+    # per head group), and the output is rounded once.
+    keys = gather_blocks(key_cache, blocks, key_len).float()
+    values = gather_blocks(value_cache, blocks, key_len).float()
     mask = (torch.arange(key_len, device=q.device) <= positions[:, None])[:, None, None, :]
-    grouped = q.view(n, kv_heads, heads // kv_heads, head_dim)
+    grouped = q.float().view(n, kv_heads, heads // kv_heads, head_dim)
     scores = torch.matmul(grouped, keys.transpose(2, 3)) * head_dim**-0.5  # (n, kv_heads, group, key_len)
-    scores = scores.float().masked_fill(~mask, float("-inf"))
-    out = torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)  # (n, kv_heads, group, head_dim)
-    return out.reshape(n, heads * head_dim)
+    out = torch.matmul(scores.masked_fill(~mask, float("-inf")).softmax(dim=-1), values)  # (n, kv_heads, group, head_dim)
+    return out.to(q.dtype).reshape(n, heads * head_dim)

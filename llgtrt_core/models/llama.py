@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+
+
+# DecoderLayer.decode's signature, the layer first: (layer, x, residual, ops, cos_table, sin_table,
+# keys, values, block_table, positions, key_len) -> (x, residual).
+LayerDecode = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -230,10 +235,10 @@ class Attention(nn.Module):
         return out[0].transpose(0, 1).reshape(total, -1)
 
     def decode(self, x: torch.Tensor, ops: LayerOps, cos_table: torch.Tensor, sin_table: torch.Tensor,
-               cache: KVCache, block_table: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
+               keys: torch.Tensor, values: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
+               key_len: int) -> torch.Tensor:
         """One new token per row; x: (n, hidden), row i's token sits at positions[i] of the sequence
-        whose blocks block_table[i] lists."""
-        keys, values = cache.keys[self.layer_index], cache.values[self.layer_index]
+        whose blocks block_table[i] lists; keys, values: this layer's cache."""
         qk_norm = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q = ops.rope_write_kv(self.qkv_proj(x), positions, cos_table, sin_table, keys, values, block_table, *qk_norm)
         return self.o_proj(ops.decode_attention(q, keys, values, block_table, positions, key_len))
@@ -265,6 +270,14 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm.add(x, residual, ops)
         h, residual = self.post_attention_layernorm.add(attend(self.self_attn, h), residual, ops)
         return self.mlp(h, ops), residual
+
+    def decode(self, x: torch.Tensor, residual: Optional[torch.Tensor], ops: LayerOps, cos_table: torch.Tensor,
+               sin_table: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_table: torch.Tensor,
+               positions: torch.Tensor, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for a decode step (`Attention.decode`), given this layer's cache tensors: its
+        inputs are tensors and ints only, so one compiled copy serves every layer (compiled_decode.py)."""
+        return self(x, residual, ops, lambda attn, h: attn.decode(h, ops, cos_table, sin_table, keys, values,
+                                                                  block_table, positions, key_len))
 
 
 class LlamaModel(nn.Module):
@@ -322,11 +335,12 @@ class LlamaForCausalLM(nn.Module):
         """Recompute the float32 cos/sin tables on the model's device (after to_empty or a dtype cast)."""
         self.rope_cos, self.rope_sin = rope_tables(self.config, self.max_positions, self.model.norm.weight.device)
 
-    def _run(self, x: torch.Tensor, ops: LayerOps, attend) -> torch.Tensor:
-        """The decoder layers and the final norm over embeddings x; attend(attention, h) -> its output."""
+    def _run(self, x: torch.Tensor, ops: LayerOps, layer_step) -> torch.Tensor:
+        """The decoder layers and the final norm over embeddings x; layer_step(layer, x, residual) ->
+        (x, residual) runs one layer."""
         residual = None
         for layer in self.model.layers:
-            x, residual = layer(x, residual, ops, attend)
+            x, residual = layer_step(layer, x, residual)
         hidden, _ = self.model.norm.add(x, residual, ops)
         return hidden
 
@@ -348,8 +362,9 @@ class LlamaForCausalLM(nn.Module):
         """`extend_batch`, returning every new position's final hidden state (total, hidden) instead
         of the last positions' logits (prompt logprobs project them chunk by chunk)."""
         new = self._new_tokens(cache, segments, token_ids.device)
-        hidden = self._run(self.model.embed_tokens(token_ids.unsqueeze(0)), layer_ops(token_ids.device, self.fused_ops),
-                           lambda attn, h: attn.extend(h, new, cache))
+        ops = layer_ops(token_ids.device, self.fused_ops)
+        hidden = self._run(self.model.embed_tokens(token_ids.unsqueeze(0)), ops, lambda layer, x, residual: layer(
+            x, residual, ops, lambda attn, h: attn.extend(h, new, cache)))
         return hidden[0]
 
     @torch.inference_mode()
@@ -364,8 +379,8 @@ class LlamaForCausalLM(nn.Module):
         ops = layer_ops(device, self.fused_ops)
         hidden = self._run(
             self.model.embed_tokens(torch.cat([decode_tokens, new_tokens])), ops,
-            lambda attn, h: attn.mixed(h, n, ops, self.rope_cos, self.rope_sin, cache, block_table, positions,
-                                       key_len, new),
+            lambda layer, x, residual: layer(x, residual, ops, lambda attn, h: attn.mixed(
+                h, n, ops, self.rope_cos, self.rope_sin, cache, block_table, positions, key_len, new)),
         )
         ends = itertools.accumulate(s.length for s in segments)
         rows = int64_to_device([*range(n), *(n + end - 1 for end in ends)], device)
@@ -387,14 +402,19 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, key_len: int, cache: KVCache,
-               block_table: torch.Tensor) -> torch.Tensor:
+               block_table: torch.Tensor, layer_decode: Optional[LayerDecode] = None) -> torch.Tensor:
         """token_ids, positions: (n,); row i continues the sequence whose blocks block_table[i] lists
         (the cache's own table for its rows 0..n-1, or a CUDA graph's copy of it). key_len >=
         max(positions) + 1, known to the caller without a device sync, bounds the keys the torch
-        ops read; the Triton ops read each row's own length on the device. Returns logits (n, vocab)."""
+        ops read; the Triton ops read each row's own length on the device. layer_decode replaces
+        `DecoderLayer.decode` for every layer but the first, which starts the residual stream (a
+        compiled copy on the CPU, engine/compiled_decode.py). Returns logits (n, vocab)."""
         ops = layer_ops(token_ids.device, self.fused_ops)
-        hidden = self._run(
-            self.model.embed_tokens(token_ids), ops,
-            lambda attn, h: attn.decode(h, ops, self.rope_cos, self.rope_sin, cache, block_table, positions, key_len),
-        )
-        return self.lm_head(hidden).float()
+
+        def step(layer: DecoderLayer, x: torch.Tensor, residual: Optional[torch.Tensor]):
+            run = DecoderLayer.decode if layer_decode is None or residual is None else layer_decode
+            index = layer.self_attn.layer_index
+            return run(layer, x, residual, ops, self.rope_cos, self.rope_sin, cache.keys[index], cache.values[index],
+                       block_table, positions, key_len)
+
+        return self.lm_head(self._run(self.model.embed_tokens(token_ids), ops, step)).float()

@@ -1,0 +1,127 @@
+"""The CPU decode step with its decoder layers compiled (torch.compile, inductor's C++ backend):
+the ~25 torch ops of a layer, dispatched one by one from Python, become a few fused C++ loops
+around the matmuls (docs/benchmarks/cpu.md: a batch-1 step ~20 % shorter, batch 8 ~16 %).
+
+One compiled graph serves every layer: `DecoderLayer.decode` takes the layer's cache tensors and
+the layer's weights are the graph's inputs; shapes are dynamic in batch size, key length and
+cache size. The first layer stays eager (it starts the residual stream). Compiling takes ~35 s of
+a free core (10-20 s with inductor's disk cache; minutes of a busy core), so it runs in a thread
+of its own at engine start while the eager step serves; the thread compiles every graph a decode
+can need on scratch tensors (`warm_up_shapes`) and only then is `layer_decode` handed out. A later
+step whose shapes no graph covers runs eagerly rather than compiling in the engine loop (stance
+"eager_on_recompile").
+
+Numerics: inductor rounds the bfloat16 intermediates where eager does (`emulate_precision_casts`);
+what differs is fused float32 arithmetic, within tolerances tests/test_compiled_decode.py checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Optional
+
+import torch
+
+from llgtrt_core.engine.kv_cache import KVCache
+from llgtrt_core.layers.int8_linear import INT8_MAX_ROWS
+from llgtrt_core.layers.ops import TORCH_OPS
+from llgtrt_core.models.llama import DecoderLayer, LayerDecode, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "online_softmax": False}
+
+
+def warm_up_shapes(max_batch: int, block_size: int) -> list[tuple[int, int]]:
+    """(batch, key_len) pairs that together compile every graph a decode step can need: dynamo
+    specializes size 1 (batch 1, keys within one block) and the int8 layers branch on the rows
+    (INT8_MAX_ROWS)."""
+    batches = sorted({n for n in (1, 2, INT8_MAX_ROWS + 1) if n <= max_batch}, reverse=True)
+    # Dynamo tries the newest graph first: batch 1 over several blocks, the commonest, goes last.
+    return [(n, key_len) for n in batches for key_len in (2, 2 * block_size + 1)]
+
+
+class CompiledDecode:
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, on_miss: str = "eager_on_recompile"):
+        """cache: the engine's, for its geometry only (the warm-up runs on scratch tensors).
+        on_miss: torch.compiler stance for a step no graph fits: run it eagerly, or (tests)
+        "fail_on_recompile" to raise."""
+        self.model = model
+        self.on_miss = on_miss
+        self.max_batch = cache.num_slots
+        self.block_size = cache.block_size
+        self.table_width = cache.block_table.shape[1]
+        self.ready = threading.Event()
+        self._compiled: Optional[LayerDecode] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        """Compile in the background; `layer_decode` stays None until every graph is compiled."""
+        self._thread = threading.Thread(target=self._compile, name="cpu-compile", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the compile finished and succeeded within `timeout` seconds (tests, benchmarks)."""
+        self._thread.join(timeout)
+        return self.ready.is_set()
+
+    def layer_decode(self) -> Optional[LayerDecode]:
+        """`LlamaForCausalLM.decode`'s layer_decode once compiled, else None (eager)."""
+        return self._run if self.ready.is_set() else None
+
+    def _run(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.compiler.set_stance(self.on_miss):
+            return self._compiled(*args)
+
+    def _compile(self) -> None:
+        import torch.fx.experimental._config as fx_config  # torch.compile's own imports: not at module import
+
+        started = time.perf_counter()
+        try:
+            # Isolated: another model's graphs (a second engine in one process) neither count
+            # against this one's recompile limit nor lengthen its lookups.
+            self._compiled = torch.compile(DecoderLayer.decode, dynamic=True, options=INDUCTOR_OPTIONS,
+                                           isolate_recompiles=True)
+            # Without duck sizing: a warm-up size that happens to equal another (2 rows, 2 keys)
+            # would otherwise tie the two in every graph.
+            with fx_config.patch(use_duck_shape=False):
+                self._warm_up()
+        except Exception:  # no C++ compiler, an unsupported op: the eager step goes on serving
+            logger.exception("compiling the cpu decode step failed; it stays eager")
+            return
+        self.ready.set()
+        logger.info("compiled the cpu decode step in %.1f s", time.perf_counter() - started)
+
+    def _warm_up(self) -> None:
+        """Run the compiled layer over every warm-up shape, on scratch tensors (the engine's cache
+        is the engine thread's) of the kinds a step gets (graphs are specific to them): the cache
+        and its table normal tensors, the rest made in inference mode. Every layer runs once per
+        shape, so no layer finds a graph missing."""
+        model = self.model
+        dtype = model.model.norm.weight.dtype
+        kv_heads, head_dim = model.config.num_kv_heads, model.config.head_dim
+        shapes = warm_up_shapes(self.max_batch, self.block_size)
+        blocks_per_row = -(-max(key_len for _, key_len in shapes) // self.block_size)
+        keys = torch.zeros(blocks_per_row * self.max_batch + 1, kv_heads, self.block_size, head_dim, dtype=dtype)
+        values = torch.zeros_like(keys)
+        table = torch.zeros(self.max_batch + 1, self.table_width, dtype=torch.long)  # as the cache's: a prefill row
+        table[: self.max_batch, :blocks_per_row] = torch.arange(1, keys.shape[0]).view(self.max_batch, -1)
+        # Only the batch, the key length and the cache's block count vary: the model's own sizes
+        # stay constants of the graph (vectorized loops, guards that are cheap to check).
+        for tensor, dims in ((keys, [1, 2, 3]), (values, [1, 2, 3]), (model.rope_cos, [0, 1]),
+                             (model.rope_sin, [0, 1])):
+            for dim in dims:
+                torch._dynamo.mark_static(tensor, dim)
+        with torch.inference_mode():
+            for n, key_len in shapes:
+                block_table = table[:n]
+                positions = torch.full((n,), key_len - 1, dtype=torch.long)
+                x = torch.zeros(n, model.config.hidden_size, dtype=dtype)
+                residual = torch.zeros_like(x)
+                for tensor in (x, residual, block_table):
+                    torch._dynamo.mark_static(tensor, 1)
+                for layer in model.model.layers[1:]:
+                    x, residual = self._compiled(layer, x, residual, TORCH_OPS, model.rope_cos, model.rope_sin, keys,
+                                                 values, block_table, positions, key_len)
