@@ -72,6 +72,21 @@ def test_the_last_token_is_always_computed() -> None:
     check_invariants(blocks)
 
 
+def test_a_lookup_reuses_the_names_it_is_given() -> None:
+    """A waiting request is looked up every step; the names of its blocks from the last lookup are
+    not hashed again (given names are trusted: another prompt's names find that prompt's blocks)."""
+    blocks = manager()
+    cached = list(range(100, 114))
+    run_prompt(blocks, "a", cached)
+    waiting = cached[:12] + [7, 7, 7, 7, 7]
+    first = blocks.lookup(waiting)
+    assert len(first.blocks) == 3 and len(first.hashes) == 4
+    assert blocks.lookup(waiting, first.hashes) == first
+    other = list(range(200, 217))
+    assert blocks.lookup(other).blocks == ()
+    assert blocks.lookup(other, first.hashes).blocks == first.blocks
+
+
 def test_a_different_earlier_token_means_no_hit() -> None:
     blocks = manager()
     run_prompt(blocks, "a", list(range(20)))

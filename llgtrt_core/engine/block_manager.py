@@ -101,17 +101,18 @@ class BlockManager:
     def blocks_held(self, key: Hashable) -> int:
         return len(self.blocks(key))
 
-    def lookup(self, tokens: Sequence[int]) -> PrefixHit:
+    def lookup(self, tokens: Sequence[int], known: Sequence[bytes] = ()) -> PrefixHit:
         """The registered blocks that hold `tokens`' leading full blocks, before its last token
-        (changes nothing)."""
+        (changes nothing). known: names already computed for these tokens' first blocks (an earlier
+        lookup's `hashes`, for a request that waits), not hashed again."""
         if not self.enable_caching:
             return PrefixHit((), (), 0)
         size = self.block_size
         hashes: list[bytes] = []
         blocks: list[int] = []
         parent: Optional[bytes] = None
-        for start in range(0, len(tokens) - size, size):  # blocks ending before the last token
-            parent = block_hash(parent, tokens[start:start + size])
+        for index, start in enumerate(range(0, len(tokens) - size, size)):  # blocks ending before the last token
+            parent = known[index] if index < len(known) else block_hash(parent, tokens[start:start + size])
             hashes.append(parent)
             block = self._by_hash.get(parent) if len(blocks) == len(hashes) - 1 else None
             if block is not None:

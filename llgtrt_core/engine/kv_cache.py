@@ -131,9 +131,9 @@ class KVCache:
     def blocks_for(self, positions: int) -> int:
         return self.blocks.blocks_for(positions)
 
-    def lookup(self, tokens: list[int]) -> PrefixHit:
-        """`tokens`' leading blocks in the prefix cache (changes nothing)."""
-        return self.blocks.lookup(tokens)
+    def lookup(self, tokens: list[int], known: tuple[bytes, ...] = ()) -> PrefixHit:
+        """`tokens`' leading blocks in the prefix cache (changes nothing); see BlockManager.lookup."""
+        return self.blocks.lookup(tokens, known)
 
     def allocate_prompt(self, row: int, tokens: list[int], hit: PrefixHit) -> int:
         """Row `row` (holding no blocks) starts with `hit`'s cached blocks; the positions they hold."""
