@@ -78,6 +78,7 @@ def apply_tokenizer_overrides(tokenizer: Tokenizer, overrides: TokenizerConfig) 
 @bentoml.service(
     name="llgtrt",
     traffic={"timeout": 600},
+    workers=CONFIG.server.api_workers,  # HTTP processes; the embedded engine runs in one process of its own
     endpoints={"livez": "/livez", "readyz": "/readyz"},
     # BentoML's OpenTelemetry middleware opens a span per ASGI send, so per streamed chunk (~35 us of
     # the event loop's time, a third of a chunk's cost), even when it samples nothing (its default).

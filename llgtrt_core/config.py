@@ -197,6 +197,10 @@ class ReasoningConfig:
 class ServerConfig:
     api_key: Optional[str] = option(None, "When set, /v1/* and /generate require `Authorization: Bearer "
                                           "<api_key>`. Env LLGTRT_API_KEY.")
+    api_workers: int = option(1, "Processes doing HTTP, templates, tokenizing and detokenizing in front of the "
+                                 "one engine process (the embedded engine only): more when one event loop "
+                                 "cannot keep up with the streams (docs/architecture.md). Request limits and "
+                                 "stored responses are per worker. Env LLGTRT_API_WORKERS.")
     max_request_bytes: int = option(8 * 1024 * 1024, "Largest request body of /v1/* and /generate; larger ones "
                                                       "get 413. 0: no limit.")
     max_concurrent_requests: int = option(256, "Generation sequences handed to the engine at once, a request "
@@ -218,6 +222,10 @@ class ServerConfig:
                                             "GET /v1/responses/{id}, in memory, per replica (the oldest go "
                                             "first). 0: nothing is stored.")
     response_store_ttl_seconds: int = option(3600, "Responses API: how long a stored response is kept.")
+
+    def __post_init__(self) -> None:
+        if self.api_workers < 1:
+            raise ConfigError("config key 'server.api_workers' must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -257,6 +265,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "LLGTRT_PREFILL_CHUNK_TOKENS": ("runtime", "prefill_chunk_tokens"),
     "LLGTRT_TOOL_FORMAT": ("tokenizer", "tool_format"),
     "LLGTRT_API_KEY": ("server", "api_key"),
+    "LLGTRT_API_WORKERS": ("server", "api_workers"),
 }
 
 

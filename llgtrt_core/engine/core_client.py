@@ -1,12 +1,16 @@
-"""The `Engine` the serving process uses for the embedded engine: a client of the engine process.
+"""The `Engine` an API worker uses for the embedded engine: a client of the engine process.
 
 The embedded engine, its grammar compiler and mask post-processor run in their own process
-(core_process.py), so the serving process's event loop (HTTP, SSE, templates, tokenizing,
+(core_process.py), so the API workers' event loops (HTTP, SSE, templates, tokenizing,
 detokenizing) and the engine's step loop never wait for each other's GIL. A request goes over as
-its token ids, sampling parameters and grammar text (the serving process compiled that grammar to
+its token ids, sampling parameters and grammar text (the API worker compiled that grammar to
 validate it; the engine process compiles it again, from its own cache, and a first sight starts
 both compiles at once). A reader thread takes each step's message off the socket and hands it to
 the event loop in one wake-up.
+
+One API worker (the owner) starts the engine process; with several (`server.api_workers`), the
+others join it through its Unix socket, and after losing it they keep trying to join the one a
+restarted owner starts.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
@@ -31,6 +37,7 @@ from llgtrt_core.engine.interface import (Engine, EngineError, EngineUnavailable
 logger = logging.getLogger(__name__)
 
 _STOP_TIMEOUT_S = 60
+_JOIN_RETRY_S = 0.5
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder that holds llgtrt_core
 
 
@@ -50,8 +57,10 @@ _ACCEPTED = object()
 
 
 class EngineCoreClient(Engine):
-    def __init__(self, spec: CoreSpec) -> None:
+    def __init__(self, spec: CoreSpec, owner: bool = True) -> None:
+        """owner: start the engine process; otherwise join the one at spec.listen_path."""
         self.spec = spec
+        self.owner = owner
         self.vocab_size = spec.vocab_size
         self.max_model_len = 0  # the engine process tells
         self._process: Optional[subprocess.Popen] = None
@@ -61,11 +70,16 @@ class EngineCoreClient(Engine):
         self._stats: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count()
         self._lost: Optional[str] = None  # why the engine process is gone
+        self._closing = False  # shutdown asked for: its end is no loss
 
     # ---- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if not self.owner:
+            self._conn, ready = await asyncio.to_thread(self._join)
+            self._ready(ready)
+            return
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))}
         self._process = subprocess.Popen([sys.executable, "-m", "llgtrt_core.engine.core_process", str(theirs.fileno())],
@@ -73,12 +87,24 @@ class EngineCoreClient(Engine):
         theirs.close()
         self._conn = Connection(ours.detach())
         self._conn.send(self.spec)
-        ready = await asyncio.to_thread(self._first_message)
+        self._ready(await asyncio.to_thread(self._first_message))
+        logger.info("engine process %d ready", self._process.pid)
+
+    def _ready(self, ready: tuple) -> None:
         if ready[0] != "ready":
             raise EngineError(f"the engine process failed to start: {ready[1]}")
         _, self.vocab_size, self.max_model_len = ready
         threading.Thread(target=self._read, name="engine-core-reader", daemon=True).start()
-        logger.info("engine process %d ready", self._process.pid)
+
+    def _join(self) -> tuple[Connection, tuple]:
+        """Connect to the owner's engine process once it listens (it loads the model meanwhile)."""
+        while not self._closing:
+            try:
+                conn = Client(self.spec.listen_path, family="AF_UNIX")
+                return conn, conn.recv()
+            except (OSError, EOFError):
+                time.sleep(_JOIN_RETRY_S)
+        raise EngineUnavailable("shutting down")
 
     def _first_message(self) -> tuple:
         while not self._conn.poll(1.0):
@@ -87,6 +113,14 @@ class EngineCoreClient(Engine):
         return self._conn.recv()
 
     async def shutdown(self) -> None:
+        self._closing = True
+        if not self.owner:
+            if self._conn is not None and self._lost is None:
+                # The engine process aborts what is left of ours; the reader, woken by the end of
+                # file, closes the connection.
+                with socket.socket(fileno=os.dup(self._conn.fileno())) as ours:
+                    ours.shutdown(socket.SHUT_RDWR)
+            return
         if self._process is None:
             return
         if self._lost is None:
@@ -171,10 +205,35 @@ class EngineCoreClient(Engine):
             try:
                 message = self._conn.recv()
             except (EOFError, OSError):
-                code = self._process.poll() if self._process is not None else None
-                self._loop.call_soon_threadsafe(self._engine_lost, f"the engine process exited (code {code})")
+                if self._closing:
+                    self._conn.close()
+                    return
+                if self.owner:
+                    code = self._process.poll() if self._process is not None else None
+                    self._loop.call_soon_threadsafe(self._engine_lost, f"the engine process exited (code {code})")
+                else:
+                    self._loop.call_soon_threadsafe(self._engine_lost, "the engine process exited")
+                    self._rejoin()
                 return
             self._loop.call_soon_threadsafe(self._on_message, message)
+
+    def _rejoin(self) -> None:
+        """A joining worker whose engine process went away: join the next one (a restarted owner's)."""
+        time.sleep(_JOIN_RETRY_S)  # let the event loop fail the streams of the lost one first
+        try:
+            conn, ready = self._join()
+        except EngineUnavailable:  # shut down meanwhile
+            return
+        self._loop.call_soon_threadsafe(self._engine_back, conn, ready)
+
+    def _engine_back(self, conn: Connection, ready: tuple) -> None:
+        if self._closing:
+            conn.close()
+            return
+        logger.info("joined the restarted engine process")
+        self._conn = conn
+        self._lost = None
+        self._ready(ready)
 
     def _on_message(self, message: tuple) -> None:
         kind = message[0]
@@ -201,16 +260,34 @@ class EngineCoreClient(Engine):
                 waiter.set_result(message[2])
 
     def _engine_lost(self, why: str) -> None:
-        if self._lost is not None or self._process is None:  # a shutdown we asked for
+        if self._lost is not None or self._closing:
             return
         logger.error("%s; failing its %d requests", why, len(self._streams))
         self._lost = why
-        _forget_metrics(self._process.pid)
+        if self._process is not None:
+            _forget_metrics(self._process.pid)
         for stream in self._streams.values():
             stream.deltas.put_nowait(TokenDelta(finish_reason="error", error=why))
         for waiter in self._stats.values():
             if not waiter.done():
                 waiter.set_exception(EngineUnavailable(why))
+
+
+def api_worker_index() -> int:
+    """This API worker's number among the server's, from 1 (BentoML reuses a dead worker's number)."""
+    import bentoml
+
+    return bentoml.server_context.worker_index or 1
+
+
+def engine_socket_path() -> str:
+    """The engine process's Unix socket, the same for every API worker of one `bentoml serve` (the
+    workers' parent), in a folder only this user can open."""
+    folder = Path(tempfile.gettempdir()) / f"llgtrt-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    if folder.stat().st_uid != os.getuid() or folder.stat().st_mode & 0o077:
+        raise EngineError(f"{folder} must belong to this user and be private to it")
+    return str(folder / f"engine-{os.getppid()}.sock")
 
 
 def _forget_metrics(pid: int) -> None:

@@ -1,14 +1,15 @@
 """What the serving process and the engine process say to each other (core_client.py, core_process.py).
 
-Messages are tuples pickled over one socket pair (multiprocessing.connection framing); a message's
-first item names it. Serving -> engine:
+Messages are tuples pickled over a connection (multiprocessing.connection framing): the socket
+pair between the engine process and the API worker that started it, and with several API workers
+one Unix socket connection per other worker; a message's first item names it. Serving -> engine:
     ("add", request_id, prompt_token_ids, SamplingParams, grammar text or None)
     ("abort", request_id)
     ("precompile", grammar text)       the serving process started compiling it too (first sight)
     ("stats", token)
-    ("stop",)
+    ("stop",)                          the owner only; the others just close
 Engine -> serving:
-    ("ready", vocab_size, max_model_len) or ("failed", message)   once, after the spec
+    ("ready", vocab_size, max_model_len) or ("failed", message)   once, after the spec (owner) or on connecting
     ("accepted", request_id)           before any delta of the request
     ("rejected", request_id, kind, message)   kind "engine" (EngineError) or "grammar"
     ("deltas", [DeltaRow, ...])        one message per engine step
@@ -38,6 +39,7 @@ class CoreSpec:
     vocab_size: int  # the logits width, which llguidance's masks match
     eos_token_ids: tuple[int, ...]
     llguidance: LlguidanceConfig = field(default_factory=LlguidanceConfig)
+    listen_path: Optional[str] = None  # a Unix socket the other API workers connect to (several workers)
 
 
 def delta_row(request_id: str, delta: TokenDelta, grammar_error: bool) -> DeltaRow:

@@ -28,7 +28,7 @@ def create_engine(
     runtime = config.runtime
     kind = metadata.get("engine", "pytorch")
     if kind == "pytorch":
-        from llgtrt_core.engine.core_client import EngineCoreClient
+        from llgtrt_core.engine.core_client import EngineCoreClient, api_worker_index, engine_socket_path
         from llgtrt_core.engine.core_protocol import CoreSpec
         from llgtrt_core.engine.torch_engine import TorchEngineConfig
 
@@ -40,11 +40,16 @@ def create_engine(
                                           kv_cache_free_gpu_memory_fraction=runtime.kv_cache_free_gpu_mem_fraction,
                                           kv_cache_max_tokens=runtime.kv_cache_max_tokens,
                                           prefix_caching=runtime.enable_kv_cache_reuse)
-        client = EngineCoreClient(CoreSpec(str(model_dir), engine_config, vocab_size, tuple(eos_token_ids),
-                                           config.llguidance))
+        shared = config.server.api_workers > 1
+        spec = CoreSpec(str(model_dir), engine_config, vocab_size, tuple(eos_token_ids), config.llguidance,
+                        listen_path=engine_socket_path() if shared else None)
+        client = EngineCoreClient(spec, owner=not shared or api_worker_index() == 1)
         grammars.on_miss = client.precompile
         return client
     if kind in TENSORRT_LLM_KINDS:
+        if config.server.api_workers > 1:  # each worker would load its own copy of the model
+            raise ValueError("server.api_workers above 1 needs the embedded engine; TensorRT-LLM runs in the "
+                             "API worker's process")
         from llgtrt_core.constraints.postprocessor import MaskPostProcessor
         from llgtrt_core.engine.trtllm_engine import TrtLlmEngine, config_for_stored_model
         from llgtrt_core.kernels import cuda_kernel_available
