@@ -19,7 +19,9 @@ import httpx
 import psutil
 import pytest
 
+from llgtrt_core.config import Config, ConfigError
 from llgtrt_core.engine.core_client import EngineCoreClient
+from llgtrt_core.engine.factory import resolve_api_workers
 from llgtrt_core.engine.core_protocol import CoreSpec
 from llgtrt_core.engine.interface import GenerationRequest, SamplingParams
 from tests.bento_server import BentoServer, bentoml_serve
@@ -147,3 +149,19 @@ def test_a_joining_worker_rejoins_the_engine_of_a_restarted_owner(two_workers: B
         assert time.monotonic() < deadline
         time.sleep(0.5)
     assert len(processes(two_workers, ENGINE_MODULE)) == 1
+
+
+@pytest.mark.parametrize(("configured", "device", "kind", "expected"), [
+    (3, "cuda", "pytorch", 3),  # a configured number stays
+    (None, "cpu", "pytorch", 1),  # the engine needs the cores
+    (None, "cuda", "tensorrt_llm", 1),  # its executor runs in the API worker's process
+    (None, "cuda", "pytorch", min(4, max(1, (os.cpu_count() or 1) // 4))),
+])
+def test_api_workers_by_default(configured: Optional[int], device: str, kind: str, expected: int) -> None:
+    config = Config.from_mapping({"server": {"api_workers": configured}, "runtime": {"device": device}})
+    assert resolve_api_workers(config, kind).server.api_workers == expected
+
+
+def test_api_workers_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match=r"server\.api_workers"):
+        Config.from_mapping({"server": {"api_workers": 0}})

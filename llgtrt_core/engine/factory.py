@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import glob
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -12,6 +15,20 @@ if TYPE_CHECKING:
     from llgtrt_core.constraints.grammar import GrammarCompiler
 
 TENSORRT_LLM_KINDS = ("tensorrt_llm", "tensorrt_llm_engine")
+
+
+def resolve_api_workers(config: Config, engine_kind: str) -> Config:
+    """`server.api_workers` as a number: null is 1 on a CPU and, with a GPU, a core in four up to 4
+    (docs/architecture.md). Looks for the GPU without importing torch (this runs at import)."""
+    if config.server.api_workers is not None:
+        return config
+    device = config.runtime.device
+    if device is not None:
+        gpu = device.startswith("cuda")
+    else:
+        gpu = bool(glob.glob("/dev/nvidia[0-9]*")) and os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1")
+    workers = min(4, max(1, (os.cpu_count() or 1) // 4)) if gpu and engine_kind == "pytorch" else 1
+    return dataclasses.replace(config, server=dataclasses.replace(config.server, api_workers=workers))
 
 
 def create_engine(
@@ -40,14 +57,14 @@ def create_engine(
                                           kv_cache_free_gpu_memory_fraction=runtime.kv_cache_free_gpu_mem_fraction,
                                           kv_cache_max_tokens=runtime.kv_cache_max_tokens,
                                           prefix_caching=runtime.enable_kv_cache_reuse)
-        shared = config.server.api_workers > 1
+        shared = (config.server.api_workers or 1) > 1
         spec = CoreSpec(str(model_dir), engine_config, vocab_size, tuple(eos_token_ids), config.llguidance,
                         listen_path=engine_socket_path() if shared else None)
         client = EngineCoreClient(spec, owner=not shared or api_worker_index() == 1)
         grammars.on_miss = client.precompile
         return client
     if kind in TENSORRT_LLM_KINDS:
-        if config.server.api_workers > 1:  # each worker would load its own copy of the model
+        if (config.server.api_workers or 1) > 1:  # each worker would load its own copy of the model
             raise ValueError("server.api_workers above 1 needs the embedded engine; TensorRT-LLM runs in the "
                              "API worker's process")
         from llgtrt_core.constraints.postprocessor import MaskPostProcessor
