@@ -1,10 +1,9 @@
 """Host time the loop guard adds per constrained row per step (constraints/loop_guard.py).
 
 Times `steer_loops` over a step's rows (each observes its new token and counts it against its
-length limit; none is looping nor near the limit) against
-the same rows without a guard, and one steering step of a looping row (the rare case: a mask
-narrowed to an escape class), on the default model's vocabulary size. Median of --repeats runs
-of --steps steps each, per row per step.
+length limit; none is looping nor near the limit) against the same rows without a guard, and a
+step where every row steers (near its length limit: masks narrowed to an escape class), on the
+default model's vocabulary size. Median of --repeats runs of --steps steps each, per row per step.
 
     python bench/loop_guard_cost.py --rows 8
 """
@@ -49,19 +48,22 @@ def per_row_step(rows: int, steps: int, guarded: bool, seed: int) -> float:
     return (time.perf_counter() - start) / (rows * steps)
 
 
-def steering_step(texts: list[str], repeats: int) -> float:
-    """One escaping row: classes tried, mask narrowed (what a looping row pays, once per loop)."""
+def steering_step(texts: list[str], rows: int, repeats: int) -> float:
+    """`rows` rows near their length limit, each steered (what every row pays on each of its last
+    steps when max_tokens cuts a constrained answer), per row."""
     escapes = EscapeMasks(texts, [0], VOCAB // 32)
     times = []
     for _ in range(repeats):
-        guard = LoopGuard(LoopGuardSettings(min_span=4, min_repeats=2))
-        for token in [11, 12, 13, 11, 12, 13, 11, 12, 13]:
-            guard.observe(token)
-        mask = torch.full((VOCAB // 32,), -1, dtype=torch.int32)
+        guards = [LoopGuard(LoopGuardSettings(max_tokens=12, closing_margin=4)) for _ in range(rows)]
+        constraints = [Row(guard) for guard in guards]
+        for guard in guards:
+            guard.observe_all(range(100, 110))
+        masks = torch.full((rows, VOCAB // 32), -1, dtype=torch.int32)
         start = time.perf_counter()
-        guard.steer(mask, escapes)
+        steer_loops([ConstrainedRow(c, j, 111) for j, c in enumerate(constraints)], masks, escapes)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        assert all(guard.closing for guard in guards)
+    return statistics.median(times) / rows
 
 
 def main() -> None:
@@ -77,7 +79,8 @@ def main() -> None:
               f"per step (min {min(runs) * 1e6:.2f}, max {max(runs) * 1e6:.2f})")
     texts = ["x"] * VOCAB
     texts[20:30] = ['"', '"]', '"}', "]", "}", "]}", ",", "the", " word", "1"]
-    print(f"one steering step of a looping row: {steering_step(texts, 50) * 1e6:.1f} us (median)")
+    print(f"a steering step (rows near their length limit, in one batch): "
+          f"{steering_step(texts, args.rows, 50) * 1e6:.1f} us per row (median)")
 
 
 if __name__ == "__main__":

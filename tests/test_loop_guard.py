@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import jsonschema
 import pytest
+import torch
 
 from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
 from llgtrt_core.constraints.loop_guard import EscapeMasks, LoopGuard, LoopGuardSettings
@@ -183,3 +184,21 @@ def test_free_text_before_the_answer_is_never_steered(parts, hf_tokenizer):
     # Near the limit and looping: the limit is checked while a loop's escape is pending too.
     assert guarded.loop_guard.closing and guarded.loop_guard.escaping
 
+
+
+def test_rows_steered_together_each_get_their_own_escape_class():
+    # token ids:     0      1     2    3      4     5     6      7
+    texts = ["word", '"', "1", "}", ",", "\n", "x", '"}']
+    escapes = EscapeMasks(texts, [], 1)
+
+    def mask(*tokens: int) -> int:
+        return sum(1 << t for t in tokens)
+
+    masks = torch.tensor([[mask(0, 1, 7)],  # inside a string: its closing quotes, ending the container first
+                          [mask(2, 4, 6)],  # a loop in a number: `}` not allowed, `,` is
+                          [mask(2, 6)],  # a loop over items: nothing closes the container here
+                          [mask(0, 5, 1)],  # free text: never steered
+                          [mask(2, 3)]], dtype=torch.int32)  # a loop in a number: `}`
+    narrowed = escapes.narrow(masks, [0, 1, 2, 3, 4], [False, False, True, False, False])
+    assert narrowed == [True, True, False, False, True]
+    assert masks[:, 0].tolist() == [mask(7), mask(4), mask(2, 6), mask(0, 5, 1), mask(3)]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from llgtrt_core.engine.interface import ConstrainedRow, LoopGuardSettings
@@ -73,7 +74,7 @@ class LoopGuard:
         if not self.escaping and self._run >= max(self.settings.min_span - self._period,
                                                   (self.settings.min_repeats - 1) * self._period):
             self.escaping = True
-            self._structural = None  # decided by `steer`, which knows the token texts
+            self._structural = None  # decided by `steering`, which knows the token texts
 
     def observe_all(self, tokens: Sequence[int]) -> None:
         for token in tokens:
@@ -101,14 +102,12 @@ class LoopGuard:
     def period_tokens(self) -> list[int]:
         return self.tokens[len(self.tokens) - self._period:]
 
-    def steer(self, mask: torch.Tensor, escapes: "EscapeMasks") -> bool:
-        """While escaping: narrow the host int32 `mask` row in place to the first escape class the
-        grammar allows a token of here; True when it did. A loop in a value is over once a token
-        ending the value is taken; a loop over items or keys once the container it ran in is closed
-        (the bracket depth below the lowest of its period). Near the length limit every step is
-        steered as out of a value loop, to the nearest ending."""
+    def steering(self, escapes: "EscapeMasks") -> Optional[bool]:
+        """A row escaping a loop or near its limit, before its mask is steered: whether the loop
+        is over items or keys (near the limit: steered as out of a value loop, to the nearest
+        ending), or None when this step steers nothing (the container the loop ran in closed)."""
         if self.closing:
-            return _narrow(mask, escapes.classes(mask, structural=False)) is not None
+            return False
         if self._structural is None:
             self._start_escape(escapes)
         if self._structural:
@@ -116,13 +115,15 @@ class LoopGuard:
             self._seen = len(self.tokens)
             if self._depth < self._floor:
                 self._stop_escape()
-                return False
-        ends_loop = _narrow(mask, escapes.classes(mask, bool(self._structural)))
-        if ends_loop is None:
-            return False  # nothing of the classes allowed here: try again next step
-        if ends_loop and not self._structural:
+                return None
+        return bool(self._structural)
+
+    def steered(self, narrowed: bool, structural: bool) -> None:
+        """After the mask was steered (narrowed: to an escape class; not: none is allowed here, the
+        next step tries again). A loop in a value is over once a token ending the value is taken;
+        a loop over items or keys once its container is closed (`steering` sees that)."""
+        if narrowed and not structural and not self.closing:
             self._stop_escape()
-        return True
 
     def _start_escape(self, escapes: "EscapeMasks") -> None:
         period = self.period_tokens()
@@ -161,11 +162,12 @@ class EscapeMasks:
         self.most_opened = max(self.depth_delta, default=0)
         self.words = _mask_row([t for t, text in enumerate(token_texts) if _is_word(text)], words)
         self.newlines = _mask_row([t for t, text in enumerate(token_texts) if "\n" in text], words)
-        self.string_enders = _mask_row(string_enders, words)
-        self.string_closers = _mask_row([t for t in string_enders if _CONTAINER_CLOSERS & set(stripped[t])], words)
-        self.value_enders = _mask_row([*value_enders, *eos_tokens], words)
-        self.container_closers = _mask_row(
-            [*(t for t in value_enders if "," not in stripped[t]), *eos_tokens], words)
+        string_closers = [t for t in string_enders if _CONTAINER_CLOSERS & set(stripped[t])]
+        container_closers = [*(t for t in value_enders if "," not in stripped[t]), *eos_tokens]
+        # The escape classes by index, in the orders `_classes_to_try` gives.
+        self.classes = [_mask_row(container_closers, words), _mask_row([*value_enders, *eos_tokens], words),
+                        _mask_row(string_closers, words), _mask_row(string_enders, words)]
+        self._string_order, self._container_order, self._value_loop_order = (2, 3), (0,), (0, 1, 2, 3)
 
     @classmethod
     def for_tokenizer(cls, ll_tokenizer, words: int) -> "EscapeMasks":
@@ -176,24 +178,53 @@ class EscapeMasks:
     def is_structural(self, tokens: Sequence[int]) -> bool:
         return any(_PUNCTUATION & set(self._texts[t]) for t in tokens if t < len(self._texts))
 
-    def classes(self, mask: torch.Tensor, structural: bool) -> list[tuple[torch.Tensor, bool]]:
-        """The escape classes to try at this mask, in order, each with whether taking it ends a
-        loop in a value."""
-        if bool((mask & self.words).any()):  # inside a string, or free text
-            if bool((mask & self.newlines).any()):
-                return []
-            return [(self.string_closers, True), (self.string_enders, True)]
-        if structural:
-            return [(self.container_closers, True)]
-        # A loop in a value: a number ends with `,` `]` `}`; a string whose pattern forbids words
-        # (so it looked like no string) with its closing quote.
-        return [(self.container_closers, True), (self.value_enders, True), (self.string_closers, True),
-                (self.string_enders, True)]
+    def narrow(self, masks: torch.Tensor, rows: Sequence[int], structural: Sequence[bool]) -> list[bool]:
+        """Narrow each host mask masks[rows[i]] in place to the first escape class the grammar
+        allows a token of there; whether it was. One batch of array ops per class tried, over all
+        the rows trying it: near the length limit every row steers every step (one row at a time,
+        ~10 small torch ops cost ~50 us). numpy, single-threaded: a torch op this large would
+        start an OpenMP team, which stalls at its barrier on cores the mask fill's threads hold."""
+        host = masks.numpy()
+        selected = host[list(rows)]
+        in_string = (selected & self.words).any(1).tolist()  # or free text
+        free_text = (selected & self.newlines).any(1).tolist()
+        orders = [self._classes_to_try(string, free, loop_over_items)
+                  for string, free, loop_over_items in zip(in_string, free_text, structural)]
+        narrowed = [False] * len(rows)
+        trying = [i for i, order in enumerate(orders) if order]
+        for depth in range(len(self._value_loop_order)):
+            by_class: dict[int, list[int]] = {}
+            for i in trying:
+                by_class.setdefault(orders[i][depth], []).append(i)
+            trying = []
+            for escape, members in by_class.items():
+                candidates = selected[members] & self.classes[escape]
+                allowed = candidates.any(1)
+                allowed_list = allowed.tolist()
+                host[[rows[i] for i, ok in zip(members, allowed_list) if ok]] = candidates[allowed]
+                for i, ok in zip(members, allowed_list):
+                    if ok:
+                        narrowed[i] = True
+                    elif depth + 1 < len(orders[i]):
+                        trying.append(i)
+        return narrowed
+
+    def _classes_to_try(self, in_string: bool, free_text: bool, loop_over_items: bool) -> tuple[int, ...]:
+        """Indices into `_class_rows`, in order. Inside a string (only there does the grammar allow
+        plain words), its closing quote; in free text (words and a raw newline, which no JSON
+        string allows) nothing. Outside, a loop over items or keys ends by closing its container;
+        a loop in a value with any value ending (a number ends with `,` `]` `}`; a string whose
+        pattern forbids words, so it looked like no string, with its closing quote)."""
+        if in_string:
+            return () if free_text else self._string_order
+        return self._container_order if loop_over_items else self._value_loop_order
 
 
 def steer_loops(rows: Sequence[ConstrainedRow], masks: torch.Tensor, escapes: EscapeMasks) -> None:
-    """After a step's fill: each guarded row observes the token it committed, and an escaping
-    row's host mask (masks[j] for rows[j]) is steered. A row without a guard costs one lookup."""
+    """After a step's fill: each guarded row observes the token it committed, and the host masks
+    (masks[j] for rows[j]) of the rows escaping a loop or near their limit are steered, in one
+    batch. A row without a guard costs one lookup."""
+    steering: list[tuple[int, LoopGuard, bool]] = []  # (mask row, guard, loop over items or keys)
     for j, row in enumerate(rows):
         guard = row.constraint.loop_guard  # type: ignore[attr-defined]
         if guard is None or row.constraint.error is not None:
@@ -201,18 +232,14 @@ def steer_loops(rows: Sequence[ConstrainedRow], masks: torch.Tensor, escapes: Es
         if row.new_token is not None:
             guard.observe(row.new_token)
         if guard.near_limit(escapes) or guard.escaping:  # the limit first: an escape may never end
-            guard.steer(masks[j], escapes)
-
-
-def _narrow(mask: torch.Tensor, classes: list[tuple[torch.Tensor, bool]]) -> Optional[bool]:
-    """Narrow `mask` in place to the first class the grammar allows a token of; that class's
-    ends-a-value-loop flag, or None when no class has an allowed token (the mask is left)."""
-    for escape, ends_loop in classes:
-        narrowed = mask & escape
-        if bool(narrowed.any()):
-            mask.copy_(narrowed)
-            return ends_loop
-    return None
+            structural = guard.steering(escapes)
+            if structural is not None:
+                steering.append((j, guard, structural))
+    if not steering:
+        return
+    narrowed = escapes.narrow(masks, [j for j, _, _ in steering], [structural for _, _, structural in steering])
+    for (_, guard, structural), done in zip(steering, narrowed):
+        guard.steered(done, structural)
 
 
 def _made_of(text: str, chars: frozenset) -> bool:
@@ -227,9 +254,9 @@ def _is_word(text: str) -> bool:
         word in literal for literal in ("true", "false", "null"))
 
 
-def _mask_row(tokens: Sequence[int], words: int) -> torch.Tensor:
+def _mask_row(tokens: Sequence[int], words: int) -> np.ndarray:
     values = [0] * words
     for token in tokens:
         if token // 32 < words:
             values[token // 32] |= 1 << (token % 32)
-    return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in values], dtype=torch.int32)
+    return np.array([v - (1 << 32) if v >= 1 << 31 else v for v in values], dtype=np.int32)
