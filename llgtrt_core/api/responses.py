@@ -122,7 +122,7 @@ class ResponsesAPI:
         entry = self.store.get(request.previous_response_id)
         if entry is None:
             raise APIError(f"Previous response with id '{request.previous_response_id}' not found (responses are "
-                           f"kept in memory for a while, per replica).", status_code=404,
+                           f"kept for a while, per replica).", status_code=404,
                            param="previous_response_id", code="previous_response_not_found")
         if entry.response.status == "in_progress":
             raise APIError("the previous response is still in progress", param="previous_response_id")
