@@ -87,9 +87,14 @@ def test_only_a_response_in_progress_is_cancelled(make_store: StoreFactory) -> N
     asyncio.run(run())
 
 
-def test_two_shared_stores_on_one_file_see_one_set_of_responses(tmp_path: Path) -> None:
+def two_stores_on_one_file(tmp_path: Path, max_size: int) -> tuple[SharedResponseStore, SharedResponseStore]:
+    """As two API workers of one server see the file."""
     path = str(tmp_path / "r.sqlite3")
-    first, second = SharedResponseStore(2, 60, path=path), SharedResponseStore(2, 60, path=path)
+    return SharedResponseStore(max_size, 60, path=path), SharedResponseStore(max_size, 60, path=path)
+
+
+def test_two_shared_stores_on_one_file_see_one_set_of_responses(tmp_path: Path) -> None:
+    first, second = two_stores_on_one_file(tmp_path, max_size=2)
     stored = entry("a")
     first.put(stored)
     seen = second.get("a")
@@ -102,8 +107,7 @@ def test_two_shared_stores_on_one_file_see_one_set_of_responses(tmp_path: Path) 
 
 def test_a_cancel_in_one_shared_store_stops_the_response_another_runs(tmp_path: Path) -> None:
     async def run() -> None:
-        path = str(tmp_path / "r.sqlite3")
-        runner, other = SharedResponseStore(4, 60, path=path), SharedResponseStore(4, 60, path=path)
+        runner, other = two_stores_on_one_file(tmp_path, max_size=4)
         running = entry("r", "in_progress")
         runner.put(running)
         assert other.get("r").response.status == "in_progress"
@@ -118,8 +122,7 @@ def test_a_cancel_in_one_shared_store_stops_the_response_another_runs(tmp_path: 
 
 def test_a_cancel_made_before_the_end_was_stored_wins(tmp_path: Path) -> None:
     async def run() -> None:
-        path = str(tmp_path / "r.sqlite3")
-        runner, other = SharedResponseStore(4, 60, path=path), SharedResponseStore(4, 60, path=path)
+        runner, other = two_stores_on_one_file(tmp_path, max_size=4)
         running = entry("r", "in_progress")
         runner.put(running)
         other.cancel("r")  # the client was told "cancelled"...
