@@ -4,8 +4,9 @@ A client's next request may land on any worker, so the responses are rows of one
 the workers' private folder (server_files.py), named after the server: any worker finds, continues,
 deletes or cancels a response another one stored. An entry is pickled (its pydantic models come
 back exactly; the folder is private to this user). WAL mode: readers never wait for a writer, and
-a write holds the lock briefly (a store: ~0.1 ms typical, 0.5-1.7 ms p99 with another process
-writing, on a loaded 2-core box), so the calls run on the event loop.
+a write holds the lock briefly, so the calls run on the event loop: a store takes ~0.1 ms with
+another process writing, its p99 (0.8-1.4 ms) and worst (4-8 ms) those of a 0.1 ms pure-Python
+spin on the same loaded 2-core box (bench/response_store.py).
 
 A cancel marks the response's row; each worker, while it runs stored responses, looks for marked
 rows every CANCEL_POLL_S (one query for all of them) and stops its own at their next token. The
