@@ -200,8 +200,8 @@ class ServerConfig:
     api_workers: Optional[int] = option(None, "Processes doing HTTP, templates, tokenizing and detokenizing in "
                                               "front of the one engine process (the embedded engine; TensorRT-LLM "
                                               "takes 1): one event loop streams ~18k tokens/s. null: 1 on a CPU, "
-                                              "with a GPU a core in four up to 4. Request limits and stored "
-                                              "responses are per worker. Env LLGTRT_API_WORKERS.")
+                                              "with a GPU a core in four up to 4. Request limits are per worker; "
+                                              "the workers share the stored responses. Env LLGTRT_API_WORKERS.")
     max_request_bytes: int = option(8 * 1024 * 1024, "Largest request body of /v1/* and /generate; larger ones "
                                                       "get 413. 0: no limit.")
     max_concurrent_requests: int = option(256, "Generation sequences handed to the engine at once, a request "
@@ -220,8 +220,9 @@ class ServerConfig:
     cors_allow_origins: list[str] = option([], "Origins browsers may call /v1/* from (CORS), e.g. "
                                                "[\"https://app.example.com\"] or [\"*\"]; empty: CORS off.")
     response_store_size: int = option(1024, "Responses API: responses kept for previous_response_id and "
-                                            "GET /v1/responses/{id}, in memory, per replica (the oldest go "
-                                            "first). 0: nothing is stored.")
+                                            "GET /v1/responses/{id}, per replica (the oldest go first): in "
+                                            "memory, or in a SQLite file its api_workers share. 0: nothing "
+                                            "is stored.")
     response_store_ttl_seconds: int = option(3600, "Responses API: how long a stored response is kept.")
 
     def __post_init__(self) -> None:

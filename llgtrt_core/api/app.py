@@ -28,7 +28,8 @@ from llgtrt_core.api.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from llgtrt_core.api.response_store import ResponseStore
+from llgtrt_core.api.response_store import MemoryResponseStore, ResponseStore
+from llgtrt_core.api.response_store_shared import SharedResponseStore
 from llgtrt_core.api.responses import ResponsesAPI
 from llgtrt_core.api.responses_protocol import ResponseDeleted, ResponseObject, ResponsesRequest
 from llgtrt_core.api.tokenize import tokenize, detokenize
@@ -54,7 +55,7 @@ def create_app(get_runtime: Callable[[], Optional[ModelRuntime]], config: Server
     """`get_runtime` returns the loaded model, or None / raises while it is still loading."""
     app = FastAPI(title="llgtrt OpenAI-compatible API", responses=_ERROR_RESPONSES)
     install_error_handlers(app)
-    responses_api = ResponsesAPI(ResponseStore(config.response_store_size, config.response_store_ttl_seconds))
+    responses_api = ResponsesAPI(_response_store(config))
 
     def runtime() -> ModelRuntime:
         try:
@@ -127,6 +128,13 @@ def create_app(get_runtime: Callable[[], Optional[ModelRuntime]], config: Server
 
     app.router.routes.append(_UnknownPath(app.router))
     return app
+
+
+def _response_store(config: ServerConfig) -> ResponseStore:
+    """Several API workers share one store: a client's next request may reach any of them (null:
+    not resolved by the service, as in an app built for a test: one)."""
+    size, ttl = config.response_store_size, config.response_store_ttl_seconds
+    return SharedResponseStore(size, ttl) if (config.api_workers or 1) > 1 else MemoryResponseStore(size, ttl)
 
 
 def _model_card(loaded: ModelRuntime) -> ModelCard:

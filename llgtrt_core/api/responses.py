@@ -9,6 +9,7 @@ streamed events and the whole response, so the two always agree.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from typing import Any, AsyncIterator, Optional, Union
@@ -83,6 +84,7 @@ class ResponsesAPI:
                                stream=request.stream, grammar=plan.grammar, stop=entry.stop,
                                repeated_calls_stop=plan.repeated_calls_stop)
         except GenerationStopped:  # cancelled while collecting: the response says so
+            writer.store_end()
             return JSONResponse(response.model_dump())
         except APIError as e:
             if response.status == "in_progress":
@@ -99,11 +101,10 @@ class ResponsesAPI:
         return ResponseDeleted(id=response_id).model_dump()
 
     def cancel(self, response_id: str) -> dict[str, Any]:
-        entry = self._stored(response_id)
-        if entry.response.status == "in_progress":
-            entry.stop.set()  # its generation ends at its next token
-            entry.response.status = "cancelled"
-        elif entry.response.status != "cancelled":
+        entry = self.store.cancel(response_id)
+        if entry is None:
+            raise _not_found(response_id)
+        if entry.response.status != "cancelled":
             raise APIError(f"Cannot cancel a response with status {entry.response.status!r}; only one in "
                            f"progress can be cancelled.", param="response_id", code="response_not_cancellable")
         return entry.response.model_dump()
@@ -121,7 +122,7 @@ class ResponsesAPI:
         entry = self.store.get(request.previous_response_id)
         if entry is None:
             raise APIError(f"Previous response with id '{request.previous_response_id}' not found (responses are "
-                           f"kept in memory for a while, per replica).", status_code=404,
+                           f"kept for a while, per replica).", status_code=404,
                            param="previous_response_id", code="previous_response_not_found")
         if entry.response.status == "in_progress":
             raise APIError("the previous response is still in progress", param="previous_response_id")
@@ -414,9 +415,11 @@ class _ResponsesWriter:
             for event in self._finish(generation, finish_reason, tokens):
                 yield self._event(event)
             yield self._event({"type": f"response.{self.response.status}", "response": self.response.model_dump()})
-        finally:
-            if self.response.status == "in_progress":  # the client went away
+        except (GeneratorExit, asyncio.CancelledError):  # the client went away (a failure goes to error_event)
+            if self.response.status == "in_progress":
                 self.response.status = "cancelled"
+                self.store_end()
+            raise
 
     def error_event(self, info: ErrorInfo) -> str:
         """The events ending a stream that failed (or was cancelled) after its 200."""
@@ -428,6 +431,7 @@ class _ResponsesWriter:
             self.response.error = ResponseError(code=info.code or info.type, message=info.message)
             events.append(self._event({"type": "error", "code": info.code or info.type, "message": info.message,
                                        "param": info.param}))
+        self.store_end()
         events.append(self._event({"type": "response.failed", "response": self.response.model_dump()}))
         return "".join(events)
 
@@ -441,9 +445,13 @@ class _ResponsesWriter:
             response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
         response.completed_at = now()
         response.usage = ResponseUsage.of(generation.prompt_tokens, tokens, generation.cached_tokens)
-        if self.store is not None:
-            self.store.put(self.entry)  # refreshes its age
+        self.store_end()
         return events
+
+    def store_end(self) -> None:
+        """Store the response as it ended (its age counts from now; a cancel made meanwhile wins)."""
+        if self.store is not None:
+            self.store.put(self.entry)
 
     def _logprobs(self, token_ids: Any, logprobs: Any) -> list[OutputTextLogprob]:
         scored = chat_logprobs(self.runtime, token_ids, logprobs)

@@ -22,7 +22,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from typing import Any, AsyncIterator, Optional
 from llgtrt_core.engine.core_protocol import CoreSpec, DeltaRow, row_delta
 from llgtrt_core.engine.interface import (Engine, EngineError, EngineUnavailable, GenerationRequest, TokenDelta,
                                           next_delta)
+from llgtrt_core.server_files import server_file_path
 
 logger = logging.getLogger(__name__)
 
@@ -281,13 +281,8 @@ def api_worker_index() -> int:
 
 
 def engine_socket_path() -> str:
-    """The engine process's Unix socket, the same for every API worker of one `bentoml serve` (the
-    workers' parent), in a folder only this user can open."""
-    folder = Path(tempfile.gettempdir()) / f"llgtrt-{os.getuid()}"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    if folder.stat().st_uid != os.getuid() or folder.stat().st_mode & 0o077:
-        raise EngineError(f"{folder} must belong to this user and be private to it")
-    return str(folder / f"engine-{os.getppid()}.sock")
+    """The engine process's Unix socket, the same for every API worker of one `bentoml serve`."""
+    return server_file_path("engine", ".sock")
 
 
 def _forget_metrics(pid: int) -> None:

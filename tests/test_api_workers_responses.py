@@ -1,0 +1,95 @@
+"""Stored responses with several API workers (`server.api_workers`): every worker finds, continues,
+deletes and cancels the responses any of them stored. Each call opens a connection of its own,
+so the kernel hands calls to either worker (the access log says which served what)."""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+import openai
+import pytest
+
+from tests.bento_server import BentoServer
+from tests.test_api_workers import two_workers  # noqa: F401 (the fixture: a server with two workers)
+
+T = TypeVar("T")
+DIGITS = {"type": "json_schema", "name": "digits", "schema": {  # cannot end early
+    "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 400}}
+
+
+def fresh(server: BentoServer, call: Callable[[openai.OpenAI], T]) -> T:
+    """`call` through a client (and so a connection) of its own."""
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        return call(client)
+
+
+def workers_that_served(server: BentoServer, path_pattern: str) -> set[str]:
+    return set(re.findall(rf"\[entry_service:llgtrt:(\d)\][^\n]*path={path_pattern}[^\n]*status=200",
+                          server.log.read_text(errors="replace")))
+
+
+@pytest.fixture(scope="module")
+def model(two_workers: BentoServer) -> str:  # noqa: F811
+    """The model's name, once both workers serve it (/readyz answered 200 from one of them)."""
+    deadline, answered = time.monotonic() + 120, 0
+    while answered < 20:  # in a row, through connections of their own: both workers, almost surely
+        assert time.monotonic() < deadline, two_workers.log_tail()
+        try:
+            name = fresh(two_workers, lambda client: client.models.list().data[0].id)
+            answered += 1
+        except openai.InternalServerError:  # 503: that worker is still loading
+            answered = 0
+            time.sleep(0.5)
+    return name
+
+
+def test_every_worker_continues_gets_and_deletes_every_stored_response(two_workers: BentoServer,  # noqa: F811
+                                                                       model: str) -> None:
+    def create(i: int) -> Any:
+        return fresh(two_workers, lambda c: c.responses.create(model=model, input=f"Say {i}.", max_output_tokens=4,
+                                                               temperature=0))
+
+    def follow_up(first: Any) -> tuple[Any, Any]:
+        retrieved = fresh(two_workers, lambda c: c.responses.retrieve(first.id))
+        second = fresh(two_workers, lambda c: c.responses.create(model=model, input="Again.", max_output_tokens=4,
+                                                                 temperature=0, previous_response_id=first.id))
+        return retrieved, second
+
+    with ThreadPoolExecutor(6) as pool:
+        firsts = list(pool.map(create, range(12)))
+        pairs = list(pool.map(follow_up, firsts))
+    for first, (retrieved, second) in zip(firsts, pairs):
+        assert (retrieved.id, retrieved.status, retrieved.output_text) == (first.id, first.status, first.output_text)
+        assert second.status in ("completed", "incomplete") and second.previous_response_id == first.id
+        # The follow-up's prompt held the first exchange: more input tokens than "Again." alone.
+        assert second.usage.input_tokens > first.usage.input_tokens
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda r: fresh(two_workers, lambda c: c.responses.delete(r.id)), firsts))  # 404 raises
+        for first in firsts:
+            with pytest.raises(openai.NotFoundError):
+                fresh(two_workers, lambda c: c.responses.retrieve(first.id))
+    assert workers_that_served(two_workers, "/v1/responses/resp_[0-9a-f]+") == {"1", "2"}, two_workers.log_tail()
+    assert workers_that_served(two_workers, "/v1/responses,") == {"1", "2"}, two_workers.log_tail()
+
+
+def test_a_cancel_through_any_worker_stops_a_streamed_response(two_workers: BentoServer,  # noqa: F811
+                                                               model: str) -> None:
+    cancels_served = "/v1/responses/resp_[0-9a-f]+/cancel,"
+    for i in range(16):  # until both workers served cancels: a stream and its cancel apart, likely
+        with openai.OpenAI(base_url=f"{two_workers.url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            stream = client.responses.create(model=model, input="Digits please.", stream=True, temperature=0,
+                                             max_output_tokens=3000, text={"format": DIGITS})
+            events = iter(stream)
+            created = next(events)
+            assert fresh(two_workers, lambda c: c.responses.retrieve(created.response.id)).status == "in_progress"
+            assert fresh(two_workers, lambda c: c.responses.cancel(created.response.id)).status == "cancelled"
+            rest = list(events)
+        assert rest[-1].type == "response.failed" and rest[-1].response.status == "cancelled"
+        assert len(rest[-1].response.output_text) < 800  # stopped long before the 400 digits
+        assert fresh(two_workers, lambda c: c.responses.retrieve(created.response.id)).status == "cancelled"
+        if i >= 3 and workers_that_served(two_workers, cancels_served) == {"1", "2"}:
+            break
+    assert workers_that_served(two_workers, cancels_served) == {"1", "2"}, two_workers.log_tail()
