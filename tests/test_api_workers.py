@@ -34,6 +34,13 @@ WORKER_MODULE = "_bentoml_impl.worker.service"
 def two_workers(bentoml_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BentoServer]:
     log = tmp_path_factory.mktemp("api-workers") / "bentoml-serve.log"
     with bentoml_serve(".", bentoml_home, log, env={"LLGTRT_API_WORKERS": "2"}) as server:
+        # /readyz answered 200 from one worker; the other joins the engine a moment later.
+        deadline, in_a_row = time.monotonic() + 120, 0
+        while in_a_row < 20:  # through connections of their own: both workers, almost surely
+            assert time.monotonic() < deadline, server.log_tail()
+            ready = httpx.get(f"{server.url}/readyz", timeout=10).status_code == 200
+            in_a_row = in_a_row + 1 if ready else 0
+            time.sleep(0 if ready else 0.2)
         yield server
 
 
