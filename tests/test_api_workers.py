@@ -158,6 +158,30 @@ def test_a_joining_worker_rejoins_the_engine_of_a_restarted_owner(two_workers: B
     assert len(processes(two_workers, ENGINE_MODULE)) == 1
 
 
+def test_the_owner_stopping_lets_the_other_workers_requests_end(two_workers: BentoServer) -> None:
+    """Last of the server's tests: it stops the server (SIGTERM to its process group, as `stop` does)."""
+    async def run() -> tuple[list[int], Optional[str]]:
+        client = joining_client(two_workers)
+        await client.start()
+        tokens: list[int] = []
+        reason = None
+        stream = client.generate(GenerationRequest("drained", [1, 2, 3, 4, 5],
+                                                   SamplingParams(max_tokens=400, temperature=0)))
+        try:
+            await anext(stream)  # accepted
+            os.killpg(two_workers.process.pid, signal.SIGTERM)
+            async for delta in stream:
+                tokens += delta.token_ids
+                reason = delta.finish_reason or reason
+        finally:
+            await client.shutdown()
+        return tokens, reason
+
+    tokens, reason = asyncio.run(run())
+    assert (len(tokens), reason) == (400, "length"), two_workers.log_tail()
+    two_workers.process.wait(timeout=120)
+
+
 @pytest.mark.parametrize(("configured", "device", "kind", "expected"), [
     (3, "cuda", "pytorch", 3),  # a configured number stays
     (None, "cpu", "pytorch", 1),  # the engine needs the cores
