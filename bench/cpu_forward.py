@@ -1,5 +1,5 @@
 """The model's forward passes alone on the CPU: a prefill and decode steps at batch 1 and 8, for
-each weight format (int8+compiled: int8 with the engine's compiled decode layers,
+each weight format (int8/int4+compiled: with the engine's compiled decode layers,
 engine/compiled_decode.py), rounds alternating between the formats (a shared machine slows them alike).
 --profile adds torch.profiler's table of the ops that took the time (matmuls vs the rest).
 
@@ -27,9 +27,10 @@ from llgtrt_core.engine.kv_cache import KVCache  # noqa: E402
 from llgtrt_core.models.loader import load_model  # noqa: E402
 from measure import machine  # noqa: E402
 
-# name: (dtype, int8 weights, compiled decode layers)
-FORMATS = {"float32": (torch.float32, False, False), "bfloat16": (torch.bfloat16, False, False),
-           "int8": (torch.bfloat16, True, False), "int8+compiled": (torch.bfloat16, True, True)}
+# name: (dtype, weights (load_model's), compiled decode layers)
+FORMATS = {"float32": (torch.float32, "dense", False), "bfloat16": (torch.bfloat16, "dense", False),
+           "int8": (torch.bfloat16, "int8", False), "int8+compiled": (torch.bfloat16, "int8", True),
+           "int4": (torch.bfloat16, "int4", False), "int4+compiled": (torch.bfloat16, "int4", True)}
 MAX_LEN = 1024
 CONTEXT = 200  # tokens already cached when a decode step runs
 COMPILE_TIMEOUT_S = 1800
@@ -87,8 +88,8 @@ def main() -> None:
     model_dir = default_model_dir()
     models = {}
     for name in args.formats.split(","):
-        dtype, int8, compile_decode = FORMATS[name]
-        models[name] = passes(load_model(model_dir, MAX_LEN, dtype, torch.device("cpu"), int8), dtype, compile_decode,
+        dtype, weights, compile_decode = FORMATS[name]
+        models[name] = passes(load_model(model_dir, MAX_LEN, dtype, torch.device("cpu"), weights), dtype, compile_decode,
                               args.prompt_tokens, args.seed)
     print(f"{machine()}; {args.threads} thread(s); seed {args.seed}", flush=True)
     times: dict[tuple[str, str], list[float]] = {}

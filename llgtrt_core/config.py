@@ -67,15 +67,17 @@ class RuntimeConfig:
     dtype: Optional[str] = option(None, "PyTorch engine: weights and activations dtype (float32, bfloat16, "
                                         "float16); null: bfloat16 on cuda and on a cpu with bfloat16 kernels "
                                         "(AVX-512 BF16, AMX), else float32. Env LLGTRT_DTYPE.")
-    weights: Optional[str] = option(None, "PyTorch engine: int8 (weight-only int8 matmuls, cpu only: a decode "
-                                          "step reads a quarter of float32's bytes) or dense (the dtype's); null: "
-                                          "int8 on cpu when the dtype is bfloat16, else dense. Env LLGTRT_WEIGHTS.")
+    weights: Optional[str] = option(None, "PyTorch engine: int8 or int4 (weight-only int8/int4 matmuls, cpu only: "
+                                          "a decode step reads a quarter/an eighth of float32's bytes) or dense (the "
+                                          "dtype's); null: on cpu when the dtype is bfloat16, int4 if the checkpoint "
+                                          "holds in int4 exactly (dequantized from Q4_1, as the default model), else "
+                                          "int8; dense elsewhere. Env LLGTRT_WEIGHTS.")
     cpu_threads: Optional[int] = option(None, "PyTorch engine on cpu: torch intra-op threads; null: all cores "
                                               "but one (the event loop and llguidance need one). Env "
                                               "LLGTRT_CPU_THREADS.")
     cpu_compile: Optional[bool] = option(None, "PyTorch engine on cpu: compile the decode step's layers "
                                                "(torch.compile, a C++ compiler needed) in the background at start, "
-                                               "the eager step serving meanwhile; null: on with int8 weights. Env "
+                                               "the eager step serving meanwhile; null: on with int8/int4 weights. Env "
                                                "LLGTRT_CPU_COMPILE (true/false).")
     prefill_chunk_tokens: Optional[int] = option(None, "PyTorch engine: prompt tokens prefilled per engine step; a "
                                                        "longer prompt is prefilled a chunk per step while running "
@@ -86,8 +88,8 @@ class RuntimeConfig:
                                        "their own, the decode under CUDA graphs.")
 
     def __post_init__(self) -> None:
-        if self.weights not in (None, "int8", "dense"):
-            raise ConfigError(f"config key 'runtime.weights': expected int8, dense or null, got {self.weights!r}")
+        if self.weights not in (None, "int8", "int4", "dense"):
+            raise ConfigError(f"config key 'runtime.weights': expected int8, int4, dense or null, got {self.weights!r}")
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 180
 # The suite's servers compute in float32: its tests compare answers token for token across batch
-# sizes and against what the float32 model says, where the CPU default (int8 weights, bfloat16
-# activations) can flip a near-tie (docs/benchmarks/cpu.md). tests/test_int8_weights.py tests
+# sizes and against what the float32 model says, where the CPU default (int4 weights, bfloat16
+# activations) can flip a near-tie (docs/benchmarks/cpu.md). tests/test_quantized_weights.py tests
 # that default; benchmarks serve it (suite_numerics=False).
 SUITE_ENV = {"LLGTRT_DTYPE": "float32"}
 

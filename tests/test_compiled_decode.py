@@ -1,5 +1,5 @@
 """The CPU decode step with compiled layers (engine/compiled_decode.py) against the eager step it
-replaces, on the int8 default: along float32's greedy continuations its picks and logprobs stay as
+replaces, on the int4 default: along float32's greedy continuations its picks and logprobs stay as
 close to float32's as the eager step's do and close to the eager step's own; a decode over rows
 at different positions (the batched graphs) gives logprobs close to the eager step's; an engine
 switches to it once compiled, and its constrained answers stay valid.
@@ -19,25 +19,25 @@ from llgtrt_core.engine.compiled_decode import CompiledDecode
 from llgtrt_core.engine.interface import GenerationRequest, SamplingParams
 from llgtrt_core.engine.kv_cache import KVCache
 from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig
-from llgtrt_core.layers.int8_linear import INT8_MAX_ROWS
-from test_int8_weights import (EOS, LOGPROB_TOLERANCE, MIN_GREEDY_AGREEMENT, TOP_K, closeness,  # noqa: F401
-                               greedy_logprobs, int8_model, one_thread, prompts, reference, tokenizer)
+from llgtrt_core.layers.quantized_linear import Int4Linear
+from test_quantized_weights import (EOS, LOGPROB_TOLERANCE, MIN_GREEDY_AGREEMENT, TOP_K, closeness,  # noqa: F401
+                               greedy_logprobs, one_thread, prompts, quantized_model, reference, tokenizer)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                                 reason="the int8 default needs a cpu with bfloat16 kernels")]
+                                 reason="the quantized default needs a cpu with bfloat16 kernels")]
 
 COMPILE_TIMEOUT_S = 900
 # Compiled against eager along eager's greedy continuations of these prompts, measured: 96 % (69/72)
 # equal picks (near-ties: bfloat16 rounds differently where inductor fuses), top-5 logprobs within
-# 0.24 nats; a broken kernel is tens of nats off (test_int8_weights).
+# 0.24 nats; a broken kernel is tens of nats off (test_quantized_weights).
 EAGER_TOLERANCE = 0.5
-MAX_BATCH = 2 * INT8_MAX_ROWS  # the batched graphs of both matmul paths
+MAX_BATCH = Int4Linear.max_rows + 1  # the batched graphs of both matmul paths
 
 
 @pytest.fixture(scope="module")
 def compiled(stored_model_dir: Path):
-    model = int8_model(stored_model_dir)
+    model = quantized_model(stored_model_dir, "int4")  # the default's
     geometry = KVCache(model.config.num_layers, MAX_BATCH, model.config.num_kv_heads, model.config.head_dim, 256,
                        torch.bfloat16, torch.device("cpu"))
     compiled = CompiledDecode(model, geometry, on_miss="fail_on_recompile")  # a step must find its graph

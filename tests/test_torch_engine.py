@@ -17,10 +17,10 @@ from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig
 from llgtrt_core.models.loader import load_model
 
 EOS = frozenset({2})  # <|im_end|> of SmolLM2
-# These tests compare runs batched differently token for token. On the CPU the default (int8
+# These tests compare runs batched differently token for token. On the CPU the default (int4
 # weights, bfloat16 activations) rounds each matmul's output to bfloat16, and a batch of another
-# size may round one value the other way and flip a greedy near-tie; float32 does not. The int8
-# default has its own tests (test_int8_weights.py).
+# size may round one value the other way and flip a greedy near-tie; float32 does not. The quantized
+# default has its own tests (test_quantized_weights.py).
 BATCH_EXACT_CPU = {"dtype": "float32"}
 
 

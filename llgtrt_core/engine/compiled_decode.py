@@ -25,7 +25,6 @@ from typing import Optional
 import torch
 
 from llgtrt_core.engine.kv_cache import KVCache
-from llgtrt_core.layers.int8_linear import INT8_MAX_ROWS
 from llgtrt_core.layers.ops import TORCH_OPS
 from llgtrt_core.models.llama import DecoderLayer, LayerDecode, LlamaForCausalLM
 
@@ -34,11 +33,11 @@ logger = logging.getLogger(__name__)
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "online_softmax": False}
 
 
-def warm_up_shapes(max_batch: int, block_size: int) -> list[tuple[int, int]]:
+def warm_up_shapes(max_batch: int, block_size: int, max_packed_rows: int) -> list[tuple[int, int]]:
     """(batch, key_len) pairs that together compile every graph a decode step can need: dynamo
-    specializes size 1 (batch 1, keys within one block) and the int8 layers branch on the rows
-    (INT8_MAX_ROWS)."""
-    batches = sorted({n for n in (1, 2, INT8_MAX_ROWS + 1) if n <= max_batch}, reverse=True)
+    specializes size 1 (batch 1, keys within one block) and the quantized layers branch on the
+    rows (`max_packed_rows`: WeightOnlyLinear.max_rows)."""
+    batches = sorted({n for n in (1, 2, max_packed_rows + 1) if n <= max_batch}, reverse=True)
     # Dynamo tries the newest graph first: batch 1 over several blocks, the commonest, goes last.
     return [(n, key_len) for n in batches for key_len in (2, 2 * block_size + 1)]
 
@@ -102,7 +101,8 @@ class CompiledDecode:
         model = self.model
         dtype = model.model.norm.weight.dtype
         kv_heads, head_dim = model.config.num_kv_heads, model.config.head_dim
-        shapes = warm_up_shapes(self.max_batch, self.block_size)
+        shapes = warm_up_shapes(self.max_batch, self.block_size, 
+                                getattr(model.model.layers[0].mlp.down_proj, "max_rows", self.max_batch))
         blocks_per_row = -(-max(key_len for _, key_len in shapes) // self.block_size)
         keys = torch.zeros(blocks_per_row * self.max_batch + 1, kv_heads, self.block_size, head_dim, dtype=dtype)
         values = torch.zeros_like(keys)

@@ -74,9 +74,11 @@ class TorchEngineConfig:
     max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
     device: Optional[str] = None  # default: cuda when available, else cpu
     dtype: Optional[str] = None  # default: bfloat16 on cuda and on a cpu with bfloat16 kernels, else float32
-    weights: Optional[str] = None  # "int8" (weight-only, cpu) or "dense"; default: int8 on cpu in bfloat16
+    # "int8" or "int4" (weight-only, cpu) or "dense"; default on cpu in bfloat16: int4 when the checkpoint
+    # holds in int4 exactly (dequantized from Q4_1, the default model), else int8
+    weights: Optional[str] = None
     cpu_threads: Optional[int] = None  # torch intra-op threads on cpu; default: all cores but one
-    cpu_compile: Optional[bool] = None  # compiled decode layers on cpu (compiled_decode.py); default: with int8 weights
+    cpu_compile: Optional[bool] = None  # compiled decode layers on cpu (compiled_decode.py); default: with int8/int4
     cuda_graphs: bool = True  # decode under CUDA graphs (cuda only)
     fast_forward: bool = True  # feed the tokens a grammar forces in one forward pass, unsampled
     prefill_chunk_tokens: Optional[int] = None  # prompt tokens prefilled per step; None or 0: whole prompts
@@ -101,21 +103,22 @@ class TorchEngineConfig:
             return torch.bfloat16
         return torch.float32
 
-    def resolve_int8_weights(self, device: torch.device) -> bool:
-        """int8 matmuls read a quarter of float32's bytes per decode step, but the CPU kernel is
-        fast only on bfloat16 activations (docs/benchmarks/cpu.md); the GPU path stays dense."""
+    def resolve_weights(self, device: torch.device) -> str:
+        """The loader's `weights`: int8/int4 matmuls read a quarter/an eighth of float32's bytes per
+        decode step, but the CPU kernels are fast only on bfloat16 activations
+        (docs/benchmarks/cpu.md); the GPU path stays dense."""
         if self.weights is None:
-            return device.type == "cpu" and self.resolve_dtype(device) == torch.bfloat16
-        if self.weights == "int8" and device.type != "cpu":
-            raise ValueError("int8 weights run on the cpu only")
-        return self.weights == "int8"
+            return "auto" if device.type == "cpu" and self.resolve_dtype(device) == torch.bfloat16 else "dense"
+        if self.weights != "dense" and device.type != "cpu":
+            raise ValueError(f"{self.weights} weights run on the cpu only")
+        return self.weights
 
     def resolve_cpu_compile(self, device: torch.device) -> bool:
-        """On for the CPU default (int8 weights), whose compiled step is tested against the eager
-        one (tests/test_compiled_decode.py); never on cuda (CUDA graphs)."""
+        """On for the CPU default (int8 or int4 weights), whose compiled step is tested against the
+        eager one (tests/test_compiled_decode.py); never on cuda (CUDA graphs)."""
         if device.type != "cpu":
             return False
-        return self.resolve_int8_weights(device) if self.cpu_compile is None else self.cpu_compile
+        return self.resolve_weights(device) != "dense" if self.cpu_compile is None else self.cpu_compile
 
     def resolve_cpu_threads(self) -> int:
         """One core is left to the rest of the server (event loop, HTTP, the grammar threads that
@@ -185,7 +188,7 @@ class TorchEngine(Engine):
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         if self.model is None:
             self.model = await asyncio.to_thread(load_model, self.model_dir, self.max_model_len, self.dtype,
-                                                 self.device, self.config.resolve_int8_weights(self.device))
+                                                 self.device, self.config.resolve_weights(self.device))
         cfg = self.model.config
         self.cache = KVCache.for_device(cfg.num_layers, self.config.max_batch_size, cfg.num_kv_heads, cfg.head_dim,
                                         self.max_model_len, self.dtype, self.device,

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llgtrt_core.engine.kv_cache import KVCache
-from llgtrt_core.layers.int8_linear import Int8Linear
+from llgtrt_core.layers.quantized_linear import Int4Linear, Int8Linear, holds_int4_exactly
 from llgtrt_core.kernels import int64_to_device
 from llgtrt_core.layers.layernorm import rms_norm
 from llgtrt_core.layers.ops import LayerOps, layer_ops
@@ -317,19 +317,27 @@ class LlamaForCausalLM(nn.Module):
                 tensors[name] = parameter.detach()
         return tensors
 
-    def use_int8_weights(self, dtype: torch.dtype) -> None:
-        """Every matmul's weights (projections and lm_head) to weight-only int8 with activations in
-        `dtype` (bfloat16; CPU only), the other parameters cast to `dtype`. Quantize float32 weights:
-        rounding them to bfloat16 first would add its error to int8's. The checkpoint names
-        (`checkpoint_tensors`) are gone afterwards."""
-        for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj, attn.o_proj = Int8Linear.of(attn.qkv_proj, dtype), Int8Linear.of(attn.o_proj, dtype)
-            mlp.gate_up_proj = Int8Linear.of(mlp.gate_up_proj, dtype)
-            mlp.down_proj = Int8Linear.of(mlp.down_proj, dtype)
-        self.lm_head = Int8Linear.of(self.lm_head, dtype)  # a tied embedding table stays dense, for lookups
+    def quantize_weights(self, weights: str, dtype: torch.dtype) -> str:
+        """The projections to weight-only int8 or int4 (`weights`: "int8", "int4", or "auto": int4
+        when every projection holds in int4 groups exactly, as a checkpoint dequantized from Q4_1
+        blocks does, else int8), with activations in `dtype` (bfloat16; CPU only); the lm_head to
+        int8 (a tied embedding table stays dense, for lookups), the other parameters cast to `dtype`.
+        Quantize float32 weights: rounding them to bfloat16 first would add its error. The
+        checkpoint names (`checkpoint_tensors`) are gone afterwards. Returns "int8" or "int4"."""
+        projections = [(module, name) for layer in self.model.layers
+                       for module, names in ((layer.self_attn, ("qkv_proj", "o_proj")),
+                                             (layer.mlp, ("gate_up_proj", "down_proj")))
+                       for name in names]
+        if weights == "auto":
+            exact = all(holds_int4_exactly(getattr(module, name).weight) for module, name in projections)
+            weights = "int4" if exact else "int8"
+        kind = Int4Linear if weights == "int4" else Int8Linear
+        for module, name in projections:
+            setattr(module, name, kind.of(getattr(module, name), dtype))
+        self.lm_head = Int8Linear.of(self.lm_head, dtype)
         self.to(dtype)
         self.reset_rope_tables()
+        return weights
 
     def reset_rope_tables(self) -> None:
         """Recompute the float32 cos/sin tables on the model's device (after to_empty or a dtype cast)."""

@@ -53,11 +53,12 @@ def random_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, de
 
 
 def load_model(model_dir: Path, max_positions: int, dtype: torch.dtype, device: torch.device,
-               int8_weights: bool = False) -> LlamaForCausalLM:
-    """int8_weights: the matmuls on weight-only int8 (`LlamaForCausalLM.use_int8_weights`), quantized
-    from the checkpoint's values as loaded in float32."""
+               weights: str = "dense") -> LlamaForCausalLM:
+    """weights: "dense" (in `dtype`), or the matmuls on weight-only "int8", "int4" or "auto"
+    (`LlamaForCausalLM.quantize_weights`), quantized from the checkpoint's values as loaded in float32."""
     config = load_config(model_dir)
-    model = _empty_model(config, max_positions, torch.float32 if int8_weights else dtype, device)
+    quantized = weights != "dense"
+    model = _empty_model(config, max_positions, torch.float32 if quantized else dtype, device)
     parameters = model.checkpoint_tensors()
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -76,10 +77,10 @@ def load_model(model_dir: Path, max_positions: int, dtype: torch.dtype, device: 
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     model.eval()
-    if int8_weights:
-        model.use_int8_weights(dtype)
+    if quantized:
+        weights = model.quantize_weights(weights, dtype)
     else:
         model.reset_rope_tables()  # to_empty left them uninitialized, and they must stay float32
-    logger.info("loaded %s (%d tensors) on %s as %s%s", config.architecture, len(loaded), device, dtype,
-                " with int8 weights" if int8_weights else "")
+    logger.info("loaded %s (%d tensors) on %s as %s, %s weights", config.architecture, len(loaded), device, dtype,
+                weights)
     return model

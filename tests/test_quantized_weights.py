@@ -1,6 +1,7 @@
-"""The CPU default, weight-only int8 matmuls with bfloat16 activations, against the float32 model
-it is quantized from: same greedy answers, close top-k logprobs, and a corrupted packing fails
-that same check (so the tolerance catches a broken kernel). Constrained answers stay valid."""
+"""Weight-only int8 and int4 matmuls with bfloat16 activations (int4 the CPU default for the
+default model, whose projections are Q4_1 blocks) against the float32 model they are quantized
+from: same greedy answers, close top-k logprobs, and a corrupted packing fails that same check (so
+the tolerance catches a broken kernel). Constrained answers stay valid with the default."""
 
 from __future__ import annotations
 
@@ -14,20 +15,20 @@ import torch
 from llgtrt_core.engine.interface import GenerationRequest, SamplingParams
 from llgtrt_core.engine.kv_cache import KVCache
 from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig
-from llgtrt_core.layers.int8_linear import Int8Linear
+from llgtrt_core.layers.quantized_linear import Int4Linear, Int8Linear
 from llgtrt_core.models.llama import LayerDecode, LlamaForCausalLM
 from llgtrt_core.models.loader import load_model
 
 pytestmark = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                                reason="the int8 default needs a cpu with bfloat16 kernels")
+                                reason="the quantized default needs a cpu with bfloat16 kernels")
 
 EOS = frozenset({2})  # <|im_end|> of SmolLM2
 QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.", "Explain how a bicycle works.")
 STEPS = 24
 TOP_K = 5
-# Measured on these prompts (docs/benchmarks/cpu.md): 96 % greedy agreement and top-5 logprobs
-# within 0.80 nats of float32 (bfloat16 without int8: 96 %, 0.45); the corrupted packing below:
-# 4 %, 36 nats.
+# Measured on these prompts (docs/benchmarks/cpu.md): int8 96 % greedy agreement and top-5 logprobs
+# within 0.80 nats of float32, int4 99 % and 0.67 (bfloat16 without quantizing: 96 %, 0.45); the
+# corrupted packings below: 4 %, 27-36 nats.
 LOGPROB_TOLERANCE = 1.2
 MIN_GREEDY_AGREEMENT = 0.9
 
@@ -66,8 +67,8 @@ def reference(stored_model_dir: Path, prompts) -> tuple[list[list[int]], list[to
     return [tokens for tokens, _ in runs], [logprobs for _, logprobs in runs]
 
 
-def int8_model(stored_model_dir: Path) -> LlamaForCausalLM:
-    return load_model(stored_model_dir, 256, torch.bfloat16, torch.device("cpu"), int8_weights=True)
+def quantized_model(stored_model_dir: Path, weights: str) -> LlamaForCausalLM:
+    return load_model(stored_model_dir, 256, torch.bfloat16, torch.device("cpu"), weights)
 
 
 def greedy_logprobs(model: LlamaForCausalLM, prompt: list[int], forced: list[int] | None = None,
@@ -75,7 +76,7 @@ def greedy_logprobs(model: LlamaForCausalLM, prompt: list[int], forced: list[int
     """STEPS tokens after `prompt`: the model's greedy picks, or `forced` ones fed instead (so two
     models are compared at the same positions); returns them and the logprobs (STEPS, vocab) each
     step saw. The prompt goes through prefill (the dense path), the steps through batch-1 decode
-    (the int8 kernel), with `layer_decode` when given (a compiled step), their inputs made in
+    (the packed kernel), with `layer_decode` when given (a compiled step), their inputs made in
     inference mode as the engine's are (a compiled step's graphs are specific to that)."""
     config = model.config
     dtype = model.model.embed_tokens.weight.dtype
@@ -107,27 +108,31 @@ def closeness(model: LlamaForCausalLM, prompts, reference, layer_decode: LayerDe
     return agree / (len(prompts) * STEPS), worst
 
 
-def test_int8_matches_float32(stored_model_dir: Path, prompts, reference, tokenizer) -> None:
-    model = int8_model(stored_model_dir)
-    assert isinstance(model.lm_head, Int8Linear)
+@pytest.mark.parametrize("weights, kind", [("int8", Int8Linear), ("int4", Int4Linear)])
+def test_quantized_matches_float32(stored_model_dir: Path, prompts, reference, tokenizer, weights: str,
+                                   kind: type) -> None:
+    model = quantized_model(stored_model_dir, weights)
+    assert isinstance(model.model.layers[0].mlp.down_proj, kind) and isinstance(model.lm_head, Int8Linear)
     agreement, worst = closeness(model, prompts, reference)
     assert agreement >= MIN_GREEDY_AGREEMENT and worst <= LOGPROB_TOLERANCE, (agreement, worst)
     answer, _ = greedy_logprobs(model, prompts[0])
     assert tokenizer.decode(answer).startswith("The capital of France")
 
 
-def test_a_corrupted_packing_fails_the_check(stored_model_dir: Path, prompts, reference) -> None:
-    """Each down projection's int8 rows shifted by one against their scales, as a kernel reading
+@pytest.mark.parametrize("weights, packed", [("int8", "int8_weight"), ("int4", "int4_weight")])
+def test_a_corrupted_packing_fails_the_check(stored_model_dir: Path, prompts, reference, weights: str,
+                                             packed: str) -> None:
+    """Each down projection's packed rows shifted by one against their scales, as a kernel reading
     the wrong row would: the closeness check above must reject it."""
-    model = int8_model(stored_model_dir)
+    model = quantized_model(stored_model_dir, weights)
     for layer in model.model.layers:
-        weight = layer.mlp.down_proj.int8_weight
+        weight = getattr(layer.mlp.down_proj, packed)
         weight.copy_(weight.roll(1, dims=0))
     agreement, worst = closeness(model, prompts, reference)
     assert agreement < MIN_GREEDY_AGREEMENT or worst > LOGPROB_TOLERANCE, (agreement, worst)
 
 
-def test_constrained_answers_stay_valid_with_int8(stored_model_dir: Path, tokenizer, prompts) -> None:
+def test_the_default_is_int4_and_its_constrained_answers_stay_valid(stored_model_dir: Path, tokenizer, prompts) -> None:
     from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
     from llgtrt_core.constraints.postprocessor import MaskPostProcessor
     from llgtrt_core.constraints.request_grammar import json_schema_grammar
@@ -143,8 +148,8 @@ def test_constrained_answers_stay_valid_with_int8(stored_model_dir: Path, tokeni
         compiler = GrammarCompiler(ll_tokenizer)
         engine = TorchEngine(stored_model_dir, TorchEngineConfig(device="cpu", max_batch_size=4, cpu_compile=False),
                              MaskPostProcessor(ll_tokenizer, max_batch_size=4))
-        assert engine.config.resolve_int8_weights(engine.device)
         await engine.start()
+        assert isinstance(engine.model.model.layers[0].mlp.down_proj, Int4Linear)
         try:
             grammar = await compiler.compile(json_schema_grammar(schema))
 

@@ -1,0 +1,110 @@
+"""Weight-only quantized linear layers for the CPU, activations in bfloat16: int8 (gpt-fast's
+scheme, one scale per output channel) and int4 (groups of 32 input channels, a scale and a zero
+each: the layout of llama.cpp's Q4_1 blocks, so a checkpoint dequantized from Q4_1 is held exactly).
+
+A decode step is bound by reading the weights: `_weight_int8pack_mm` reads one byte per weight,
+`_weight_int4pack_mm_for_cpu` half a byte, where a float32 matmul reads four. For many rows (a
+prompt) those kernels are slower than oneDNN's bfloat16 GEMM, so each layer keeps a bfloat16 copy
+of the *same* weights (the quantized values times their scales) for them: both paths compute one
+model, whatever the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INT4_GROUP = 32  # input channels per scale and zero, as in Q4_1
+INT4_INNER_K_TILES = 1  # the packing the CPU kernel reads (any value; it repacks for its own tiles)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (int8 weight (out, in), float32 scales (out,))."""
+    weight = weight.float()
+    scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
+    return (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8), scales
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of INT4_GROUP input channels, as llama.cpp's Q4_1: each group's
+    scale is (max - min) / 15 and its values min + q * scale, q in 0..15. Returns q (out, in)
+    int32, scales and minimums (out, in / INT4_GROUP) float32."""
+    groups = weight.float().unflatten(1, (-1, INT4_GROUP))
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((high - low) / 15).clamp(min=1e-12)
+    q = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15)
+    return q.flatten(1).to(torch.int32), scales, low
+
+
+def holds_int4_exactly(weight: torch.Tensor) -> bool:
+    """Whether int4 groups hold `weight` without error (up to float32 rounding): a checkpoint
+    dequantized from Q4_1 blocks does."""
+    if weight.shape[1] % INT4_GROUP:
+        return False
+    q, scales, low = quantize_int4(weight.detach())
+    restored = low.repeat_interleave(INT4_GROUP, 1) + q * scales.repeat_interleave(INT4_GROUP, 1)
+    error = (restored - weight.detach().float()).abs() / scales.repeat_interleave(INT4_GROUP, 1)
+    return float(error.max()) < 1e-3
+
+
+class WeightOnlyLinear(nn.Module):
+    """A packed-weight kernel up to `max_rows` rows, oneDNN's GEMM on the dense copy beyond."""
+
+    max_rows: int  # rows up to which the packed kernel beats the bfloat16 GEMM (docs/benchmarks/cpu.md)
+
+    def __init__(self, dense_weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("dense_weight", dense_weight.to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    @classmethod
+    def of(cls, linear: nn.Linear, dtype: torch.dtype) -> "WeightOnlyLinear":
+        return cls(linear.weight.detach(), linear.bias, dtype)  # a subclass's (weight, bias, dtype)
+
+    def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows > self.max_rows:
+            return F.linear(x, self.dense_weight, self.bias)
+        out = self.packed_mm(x.reshape(rows, x.shape[-1]))
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class Int8Linear(WeightOnlyLinear):
+    max_rows = 4
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
+        int8_weight, scales = quantize_int8(weight)
+        scales = scales.to(dtype)  # the kernel takes them in the activations' dtype: round them once, for both paths
+        super().__init__(int8_weight.float() * scales.float()[:, None], bias, dtype)
+        self.register_buffer("int8_weight", int8_weight)
+        self.register_buffer("scales", scales)
+
+    def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.int8_weight, self.scales)
+
+
+class Int4Linear(WeightOnlyLinear):
+    # Out of cache (a whole model's layers in turn) int4 is 4x faster than the bfloat16 GEMM at
+    # 1 row and still ahead at 8; at 16 rows the GEMM wins.
+    max_rows = 12
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
+        q, scales, low = quantize_int4(weight)
+        # The kernel computes (q - 8) * scale + zero, in the activations' dtype: rounded once, for both paths.
+        scales_and_zeros = torch.stack([scales, low + 8 * scales], dim=-1).transpose(0, 1).to(dtype).contiguous()
+        scales, zeros = (part.float().transpose(0, 1).repeat_interleave(INT4_GROUP, 1)
+                         for part in scales_and_zeros.unbind(-1))
+        super().__init__((q - 8) * scales + zeros, bias, dtype)
+        self.register_buffer("int4_weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INT4_INNER_K_TILES))
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # (in / INT4_GROUP, out, 2)
+
+    def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4_weight, INT4_GROUP, self.scales_and_zeros)
