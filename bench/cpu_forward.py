@@ -10,6 +10,7 @@ engine/compiled_decode.py), rounds alternating between the formats (a shared mac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -43,7 +44,7 @@ def passes(model, dtype: torch.dtype, compile_decode: bool, prompt_tokens: int, 
     for row in range(8):
         cache.allocate(row, CONTEXT + 64)
     cache.sync_table()
-    layer_decode = None
+    layer_decode, stance = None, contextlib.nullcontext
     if compile_decode:
         started = time.perf_counter()
         compiled = CompiledDecode(model, cache)
@@ -51,15 +52,16 @@ def passes(model, dtype: torch.dtype, compile_decode: bool, prompt_tokens: int, 
         if not compiled.wait(COMPILE_TIMEOUT_S):
             raise SystemExit("compiling the decode layers failed or timed out")
         print(f"compiled the decode layers in {time.perf_counter() - started:.1f} s", flush=True)
-        layer_decode = compiled.layer_decode()
+        layer_decode, stance = compiled.layer_decode(), compiled.stance
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, config.vocab_size, (prompt_tokens,), generator=generator)
 
     @torch.inference_mode()  # the inputs made as the engine makes them: compiled graphs are specific to that
     def decode(n: int) -> torch.Tensor:
         tokens = torch.randint(0, config.vocab_size, (n,), generator=generator)
-        return model.decode(tokens, torch.full((n,), CONTEXT), CONTEXT + 1, cache, cache.block_table[:n],
-                            layer_decode)
+        with stance():
+            return model.decode(tokens, torch.full((n,), CONTEXT), CONTEXT + 1, cache, cache.block_table[:n],
+                                layer_decode)
 
     return {f"prefill {prompt_tokens}": lambda: model.extend(prompt, cache, slot=8 - 1),
             "decode 1": lambda: decode(1), "decode 8": lambda: decode(8)}

@@ -48,11 +48,13 @@ def compiled(stored_model_dir: Path):
 
 def test_compiled_step_matches_eager_and_float32(compiled, prompts, reference) -> None:
     model, compiled = compiled
-    agreement, worst = closeness(model, prompts, reference, compiled.layer_decode())
+    with compiled.stance():
+        agreement, worst = closeness(model, prompts, reference, compiled.layer_decode())
     assert agreement >= MIN_GREEDY_AGREEMENT and worst <= LOGPROB_TOLERANCE, (agreement, worst)
     eager = [greedy_logprobs(model, prompt) for prompt in prompts]
     eager_reference = ([tokens for tokens, _ in eager], [logprobs for _, logprobs in eager])
-    agreement, worst = closeness(model, prompts, eager_reference, compiled.layer_decode())
+    with compiled.stance():
+        agreement, worst = closeness(model, prompts, eager_reference, compiled.layer_decode())
     assert agreement >= MIN_GREEDY_AGREEMENT and worst <= EAGER_TOLERANCE, (agreement, worst)
 
 
@@ -73,7 +75,8 @@ def test_batched_rows_at_different_positions(compiled, prompts, batch: int) -> N
         positions = torch.tensor([len(prompt) for prompt in rows])
         step = (torch.tensor(tokens), positions, int(positions.max()) + 1, cache, cache.block_table[:batch])
         eager = model.decode(*step).log_softmax(-1)
-        got = model.decode(*step, compiled.layer_decode()).log_softmax(-1)
+        with compiled.stance():
+            got = model.decode(*step, compiled.layer_decode()).log_softmax(-1)
     top = eager.topk(TOP_K, dim=-1).indices
     assert float((got.gather(-1, top) - eager.gather(-1, top)).abs().max()) <= EAGER_TOLERANCE
 

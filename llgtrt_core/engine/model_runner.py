@@ -14,6 +14,7 @@ the GPU's time alone. A mixed step is then a single replay. Longer chunks run ea
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Callable, Optional
 
@@ -92,8 +93,9 @@ class ModelRunner:
         if self.decode_graphs is not None:
             return self.decode_graphs.decode(token_ids, positions_tensor)
         layer_decode = None if self.compiled_decode is None else self.compiled_decode.layer_decode()
-        return self.model.decode(token_ids, positions_tensor, max(positions) + 1, self.cache,
-                                 self.cache.block_table[: len(batch)], layer_decode)
+        with self.compiled_decode.stance() if layer_decode is not None else contextlib.nullcontext():
+            return self.model.decode(token_ids, positions_tensor, max(positions) + 1, self.cache,
+                                     self.cache.block_table[: len(batch)], layer_decode)
 
     def _mixes(self, batch: list[Sequence], chunks: list[Chunk]) -> bool:
         """Decode and prefill share one pass: there are prompts, none scores its logprobs (that pass
