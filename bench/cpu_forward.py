@@ -44,7 +44,7 @@ def passes(model, dtype: torch.dtype, compile_decode: bool, prompt_tokens: int, 
     for row in range(8):
         cache.allocate(row, CONTEXT + 64)
     cache.sync_table()
-    layer_decode, stance = None, contextlib.nullcontext
+    layers_decode, stance = None, contextlib.nullcontext
     if compile_decode:
         started = time.perf_counter()
         compiled = CompiledDecode(model, cache)
@@ -52,7 +52,7 @@ def passes(model, dtype: torch.dtype, compile_decode: bool, prompt_tokens: int, 
         if not compiled.wait(COMPILE_TIMEOUT_S):
             raise SystemExit("compiling the decode layers failed or timed out")
         print(f"compiled the decode layers in {time.perf_counter() - started:.1f} s", flush=True)
-        layer_decode, stance = compiled.layer_decode(), compiled.stance
+        layers_decode, stance = compiled.layers_decode(), compiled.stance
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, config.vocab_size, (prompt_tokens,), generator=generator)
 
@@ -61,7 +61,7 @@ def passes(model, dtype: torch.dtype, compile_decode: bool, prompt_tokens: int, 
         tokens = torch.randint(0, config.vocab_size, (n,), generator=generator)
         with stance():
             return model.decode(tokens, torch.full((n,), CONTEXT), CONTEXT + 1, cache, cache.block_table[:n],
-                                layer_decode)
+                                layers_decode)
 
     return {f"prefill {prompt_tokens}": lambda: model.extend(prompt, cache, slot=8 - 1),
             "decode 1": lambda: decode(1), "decode 8": lambda: decode(8)}

@@ -49,12 +49,12 @@ def compiled(stored_model_dir: Path):
 def test_compiled_step_matches_eager_and_float32(compiled, prompts, reference) -> None:
     model, compiled = compiled
     with compiled.stance():
-        agreement, worst = closeness(model, prompts, reference, compiled.layer_decode())
+        agreement, worst = closeness(model, prompts, reference, compiled.layers_decode())
     assert agreement >= MIN_GREEDY_AGREEMENT and worst <= LOGPROB_TOLERANCE, (agreement, worst)
     eager = [greedy_logprobs(model, prompt) for prompt in prompts]
     eager_reference = ([tokens for tokens, _ in eager], [logprobs for _, logprobs in eager])
     with compiled.stance():
-        agreement, worst = closeness(model, prompts, eager_reference, compiled.layer_decode())
+        agreement, worst = closeness(model, prompts, eager_reference, compiled.layers_decode())
     assert agreement >= MIN_GREEDY_AGREEMENT and worst <= EAGER_TOLERANCE, (agreement, worst)
 
 
@@ -76,7 +76,7 @@ def test_batched_rows_at_different_positions(compiled, prompts, batch: int) -> N
         step = (torch.tensor(tokens), positions, int(positions.max()) + 1, cache, cache.block_table[:batch])
         eager = model.decode(*step).log_softmax(-1)
         with compiled.stance():
-            got = model.decode(*step, compiled.layer_decode()).log_softmax(-1)
+            got = model.decode(*step, compiled.layers_decode()).log_softmax(-1)
     top = eager.topk(TOP_K, dim=-1).indices
     assert float((got.gather(-1, top) - eager.gather(-1, top)).abs().max()) <= EAGER_TOLERANCE
 
@@ -102,7 +102,7 @@ def test_engine_switches_to_the_compiled_step(compiled, stored_model_dir: Path, 
         await engine.start()
         try:
             compiled_decode = engine.runner.compiled_decode
-            assert compiled_decode.layer_decode() is None  # eager until compiled
+            assert compiled_decode.layers_decode() is None  # eager until compiled
             compiled_decode.on_miss = "fail_on_recompile"  # a step must find its graph
             assert await asyncio.to_thread(compiled_decode.wait, COMPILE_TIMEOUT_S)
             grammar = await grammars.compile(json_schema_grammar(schema))

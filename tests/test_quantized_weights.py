@@ -16,7 +16,7 @@ from llgtrt_core.engine.interface import GenerationRequest, SamplingParams
 from llgtrt_core.engine.kv_cache import KVCache
 from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig
 from llgtrt_core.layers.quantized_linear import Int4Linear, Int8Linear
-from llgtrt_core.models.llama import LayerDecode, LlamaForCausalLM
+from llgtrt_core.models.llama import LayersDecode, LlamaForCausalLM
 from llgtrt_core.models.loader import load_model
 
 pytestmark = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
@@ -72,11 +72,11 @@ def quantized_model(stored_model_dir: Path, weights: str) -> LlamaForCausalLM:
 
 
 def greedy_logprobs(model: LlamaForCausalLM, prompt: list[int], forced: list[int] | None = None,
-                    layer_decode: LayerDecode | None = None) -> tuple[list[int], torch.Tensor]:
+                    layers_decode: LayersDecode | None = None) -> tuple[list[int], torch.Tensor]:
     """STEPS tokens after `prompt`: the model's greedy picks, or `forced` ones fed instead (so two
     models are compared at the same positions); returns them and the logprobs (STEPS, vocab) each
     step saw. The prompt goes through prefill (the dense path), the steps through batch-1 decode
-    (the packed kernel), with `layer_decode` when given (a compiled step), their inputs made in
+    (the packed kernel), with `layers_decode` when given (a compiled step), their inputs made in
     inference mode as the engine's are (a compiled step's graphs are specific to that)."""
     config = model.config
     dtype = model.model.embed_tokens.weight.dtype
@@ -91,17 +91,17 @@ def greedy_logprobs(model: LlamaForCausalLM, prompt: list[int], forced: list[int
         position = len(prompt) + step
         with torch.inference_mode():
             logits = model.decode(torch.tensor([tokens[-1]]), torch.tensor([position]), position + 1, cache,
-                                  cache.block_table[:1], layer_decode)[0]
+                                  cache.block_table[:1], layers_decode)[0]
     return tokens, torch.stack(logprobs)
 
 
-def closeness(model: LlamaForCausalLM, prompts, reference, layer_decode: LayerDecode | None = None
+def closeness(model: LlamaForCausalLM, prompts, reference, layers_decode: LayersDecode | None = None
               ) -> tuple[float, float]:
     """(share of steps whose greedy pick equals the reference's, largest top-k logprob difference),
     both along the reference's own continuations (float32's, or another model's)."""
     agree, worst = 0, 0.0
     for prompt, tokens, want in zip(prompts, *reference):
-        _, got = greedy_logprobs(model, prompt, forced=tokens, layer_decode=layer_decode)
+        _, got = greedy_logprobs(model, prompt, forced=tokens, layers_decode=layers_decode)
         agree += int((got.argmax(-1) == want.argmax(-1)).sum())
         top = want.topk(TOP_K, dim=-1).indices
         worst = max(worst, float((got.gather(-1, top) - want.gather(-1, top)).abs().max()))

@@ -1,15 +1,17 @@
 """The CPU decode step with its decoder layers compiled (torch.compile, inductor's C++ backend):
-the ~25 torch ops of a layer, dispatched one by one from Python, become a few fused C++ loops
-around the matmuls (docs/benchmarks/cpu.md: a batch-1 step ~20 % shorter, batch 8 ~16 %).
+the ~25 torch ops of each layer, dispatched one by one from Python, become a few fused C++ loops
+around the matmuls, and the 30 layers one compiled call (docs/benchmarks/cpu.md: a batch-1 step
+~0.6x the eager one's time).
 
-One compiled graph serves every layer: `DecoderLayer.decode` takes the layer's cache tensors and
-the layer's weights are the graph's inputs; shapes are dynamic in batch size, key length and
-cache size. The first layer stays eager (it starts the residual stream). Compiling takes ~35 s of
-a free core (10-20 s with inductor's disk cache; minutes of a busy core), so it runs in a thread
-of its own at engine start while the eager step serves; the thread compiles every graph a decode
-can need on scratch tensors (`warm_up_shapes`) and only then is `layer_decode` handed out. A later
-step whose shapes no graph covers runs eagerly rather than compiling in the engine loop (stance
-"eager_on_recompile").
+One graph covers every layer of a step: `decode_layers` takes the layers and their cache tensors
+as inputs, so the layers' weights and the cache are the graph's inputs (dynamo lifts the
+parameters of built-in modules), and dynamo checks its guards once a step, not once a layer
+(that cost ~4 ms of a ~19 ms step with one compiled call per layer). Shapes are dynamic in batch
+size, key length and cache size. Compiling takes 1-2 minutes a graph of a free core the first
+time (~25 s with inductor's disk cache), so it runs in a thread of its own at engine start while
+the eager step serves; the thread compiles every graph a decode can need on scratch tensors
+(`warm_up_shapes`) and only then is `layers_decode` handed out. A later step whose shapes no
+graph covers runs eagerly rather than compiling in the engine loop (stance "eager_on_recompile").
 
 Numerics: inductor rounds the bfloat16 intermediates where eager does (`emulate_precision_casts`);
 what differs is fused float32 arithmetic, within tolerances tests/test_compiled_decode.py checks.
@@ -26,7 +28,7 @@ import torch
 
 from llgtrt_core.engine.kv_cache import KVCache
 from llgtrt_core.layers.ops import TORCH_OPS
-from llgtrt_core.models.llama import DecoderLayer, LayerDecode, LlamaForCausalLM
+from llgtrt_core.models.llama import LayersDecode, LlamaForCausalLM, decode_layers
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +55,11 @@ class CompiledDecode:
         self.block_size = cache.block_size
         self.table_width = cache.block_table.shape[1]
         self.ready = threading.Event()
-        self._compiled: Optional[LayerDecode] = None
+        self._compiled: Optional[LayersDecode] = None
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> None:
-        """Compile in the background; `layer_decode` stays None until every graph is compiled."""
+        """Compile in the background; `layers_decode` stays None until every graph is compiled."""
         self._thread = threading.Thread(target=self._compile, name="cpu-compile", daemon=True)
         self._thread.start()
 
@@ -66,14 +68,14 @@ class CompiledDecode:
         self._thread.join(timeout)
         return self.ready.is_set()
 
-    def layer_decode(self) -> Optional[LayerDecode]:
-        """`LlamaForCausalLM.decode`'s layer_decode once compiled, else None (eager); a step that
+    def layers_decode(self) -> Optional[LayersDecode]:
+        """`LlamaForCausalLM.decode`'s layers_decode once compiled, else None (eager); a step that
         uses it runs under `stance()`."""
         return self._compiled if self.ready.is_set() else None
 
     def stance(self):
-        """The torch.compile stance of a step with the compiled layer (`on_miss`), entered once a
-        step: entering it for each layer's call took ~8 % of a batch-1 step."""
+        """The torch.compile stance of a step with the compiled layers (`on_miss`), entered once a
+        step (it is not cheap: entered for each layer's call it took ~8 % of a batch-1 step)."""
         return torch.compiler.set_stance(self.on_miss)
 
     def _compile(self) -> None:
@@ -83,7 +85,7 @@ class CompiledDecode:
         try:
             # Isolated: another model's graphs (a second engine in one process) neither count
             # against this one's recompile limit nor lengthen its lookups.
-            self._compiled = torch.compile(DecoderLayer.decode, dynamic=True, options=INDUCTOR_OPTIONS,
+            self._compiled = torch.compile(decode_layers, dynamic=True, options=INDUCTOR_OPTIONS,
                                            isolate_recompiles=True)
             # Without duck sizing: a warm-up size that happens to equal another (2 rows, 2 keys)
             # would otherwise tie the two in every graph.
@@ -96,24 +98,26 @@ class CompiledDecode:
         logger.info("compiled the cpu decode step in %.1f s", time.perf_counter() - started)
 
     def _warm_up(self) -> None:
-        """Run the compiled layer over every warm-up shape, on scratch tensors (the engine's cache
+        """Run the compiled layers over every warm-up shape, on scratch tensors (the engine's cache
         is the engine thread's) of the kinds a step gets (graphs are specific to them): the cache
-        and its table normal tensors, the rest made in inference mode. Every layer runs once per
-        shape, so no layer finds a graph missing."""
+        and its table normal tensors, the rest made in inference mode. Each layer gets its own
+        cache tensors, as in the engine (the same tensor for all would compile a graph for aliased
+        inputs)."""
         model = self.model
         dtype = model.model.norm.weight.dtype
         kv_heads, head_dim = model.config.num_kv_heads, model.config.head_dim
-        shapes = warm_up_shapes(self.max_batch, self.block_size, 
+        shapes = warm_up_shapes(self.max_batch, self.block_size,
                                 getattr(model.model.layers[0].mlp.down_proj, "max_rows", self.max_batch))
         blocks_per_row = -(-max(key_len for _, key_len in shapes) // self.block_size)
-        keys = torch.zeros(blocks_per_row * self.max_batch + 1, kv_heads, self.block_size, head_dim, dtype=dtype)
-        values = torch.zeros_like(keys)
+        shape = (blocks_per_row * self.max_batch + 1, kv_heads, self.block_size, head_dim)
+        keys = [torch.zeros(shape, dtype=dtype) for _ in model.model.layers]
+        values = [torch.zeros(shape, dtype=dtype) for _ in model.model.layers]
         table = torch.zeros(self.max_batch + 1, self.table_width, dtype=torch.long)  # as the cache's: a prefill row
-        table[: self.max_batch, :blocks_per_row] = torch.arange(1, keys.shape[0]).view(self.max_batch, -1)
+        table[: self.max_batch, :blocks_per_row] = torch.arange(1, shape[0]).view(self.max_batch, -1)
         # Only the batch, the key length and the cache's block count vary: the model's own sizes
         # stay constants of the graph (vectorized loops, guards that are cheap to check).
-        for tensor, dims in ((keys, [1, 2, 3]), (values, [1, 2, 3]), (model.rope_cos, [0, 1]),
-                             (model.rope_sin, [0, 1])):
+        for tensor, dims in [*((t, [1, 2, 3]) for t in (*keys, *values)), (model.rope_cos, [0, 1]),
+                             (model.rope_sin, [0, 1])]:
             for dim in dims:
                 torch._dynamo.mark_static(tensor, dim)
         with torch.inference_mode():
@@ -121,9 +125,7 @@ class CompiledDecode:
                 block_table = table[:n]
                 positions = torch.full((n,), key_len - 1, dtype=torch.long)
                 x = torch.zeros(n, model.config.hidden_size, dtype=dtype)
-                residual = torch.zeros_like(x)
-                for tensor in (x, residual, block_table):
+                for tensor in (x, block_table):
                     torch._dynamo.mark_static(tensor, 1)
-                for layer in model.model.layers[1:]:
-                    x, residual = self._compiled(layer, x, residual, TORCH_OPS, model.rope_cos, model.rope_sin, keys,
-                                                 values, block_table, positions, key_len)
+                self._compiled(model.model.layers, x, TORCH_OPS, model.rope_cos, model.rope_sin, keys, values,
+                               block_table, positions, key_len)

@@ -92,10 +92,10 @@ class ModelRunner:
         positions_tensor = int64_to_device(positions, self.device)
         if self.decode_graphs is not None:
             return self.decode_graphs.decode(token_ids, positions_tensor)
-        layer_decode = None if self.compiled_decode is None else self.compiled_decode.layer_decode()
-        with self.compiled_decode.stance() if layer_decode is not None else contextlib.nullcontext():
+        layers_decode = None if self.compiled_decode is None else self.compiled_decode.layers_decode()
+        with self.compiled_decode.stance() if layers_decode is not None else contextlib.nullcontext():
             return self.model.decode(token_ids, positions_tensor, max(positions) + 1, self.cache,
-                                     self.cache.block_table[: len(batch)], layer_decode)
+                                     self.cache.block_table[: len(batch)], layers_decode)
 
     def _mixes(self, batch: list[Sequence], chunks: list[Chunk]) -> bool:
         """Decode and prefill share one pass: there are prompts, none scores its logprobs (that pass

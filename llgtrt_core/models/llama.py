@@ -35,9 +35,9 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 
-# DecoderLayer.decode's signature, the layer first: (layer, x, residual, ops, cos_table, sin_table,
-# keys, values, block_table, positions, key_len) -> (x, residual).
-LayerDecode = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# decode_layers's signature: (layers, x, ops, cos_table, sin_table, keys, values, block_table,
+# positions, key_len) -> (x, residual).
+LayersDecode = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -274,10 +274,23 @@ class DecoderLayer(nn.Module):
     def decode(self, x: torch.Tensor, residual: Optional[torch.Tensor], ops: LayerOps, cos_table: torch.Tensor,
                sin_table: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_table: torch.Tensor,
                positions: torch.Tensor, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` for a decode step (`Attention.decode`), given this layer's cache tensors: its
-        inputs are tensors and ints only, so one compiled copy serves every layer (compiled_decode.py)."""
+        """`forward` for a decode step (`Attention.decode`), given this layer's cache tensors."""
         return self(x, residual, ops, lambda attn, h: attn.decode(h, ops, cos_table, sin_table, keys, values,
                                                                   block_table, positions, key_len))
+
+
+def decode_layers(layers: Sequence[DecoderLayer], x: torch.Tensor, ops: LayerOps, cos_table: torch.Tensor,
+                  sin_table: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                  block_table: torch.Tensor, positions: torch.Tensor, key_len: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's `decode` in turn over embeddings x, given each layer's cache tensors; returns
+    the last layer's output and the residual stream. Its inputs are modules, tensors and ints, not
+    the cache object: a compiled copy (engine/compiled_decode.py) is one graph for the whole step."""
+    residual = None
+    for layer, layer_keys, layer_values in zip(layers, keys, values):
+        x, residual = layer.decode(x, residual, ops, cos_table, sin_table, layer_keys, layer_values, block_table,
+                                   positions, key_len)
+    return x, residual
 
 
 class LlamaModel(nn.Module):
@@ -410,19 +423,15 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, key_len: int, cache: KVCache,
-               block_table: torch.Tensor, layer_decode: Optional[LayerDecode] = None) -> torch.Tensor:
+               block_table: torch.Tensor, layers_decode: Optional[LayersDecode] = None) -> torch.Tensor:
         """token_ids, positions: (n,); row i continues the sequence whose blocks block_table[i] lists
         (the cache's own table for its rows 0..n-1, or a CUDA graph's copy of it). key_len >=
         max(positions) + 1, known to the caller without a device sync, bounds the keys the torch
-        ops read; the Triton ops read each row's own length on the device. layer_decode replaces
-        `DecoderLayer.decode` for every layer but the first, which starts the residual stream (a
-        compiled copy on the CPU, engine/compiled_decode.py). Returns logits (n, vocab)."""
+        ops read; the Triton ops read each row's own length on the device. layers_decode replaces
+        `decode_layers` (a compiled copy on the CPU, engine/compiled_decode.py). Returns logits (n, vocab)."""
         ops = layer_ops(token_ids.device, self.fused_ops)
-
-        def step(layer: DecoderLayer, x: torch.Tensor, residual: Optional[torch.Tensor]):
-            run = DecoderLayer.decode if layer_decode is None or residual is None else layer_decode
-            index = layer.self_attn.layer_index
-            return run(layer, x, residual, ops, self.rope_cos, self.rope_sin, cache.keys[index], cache.values[index],
-                       block_table, positions, key_len)
-
-        return self.lm_head(self._run(self.model.embed_tokens(token_ids), ops, step)).float()
+        x, residual = (layers_decode or decode_layers)(self.model.layers, self.model.embed_tokens(token_ids), ops,
+                                                       self.rope_cos, self.rope_sin, cache.keys, cache.values,
+                                                       block_table, positions, key_len)
+        hidden, _ = self.model.norm.add(x, residual, ops)
+        return self.lm_head(hidden).float()
