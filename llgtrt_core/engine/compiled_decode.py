@@ -7,9 +7,9 @@ One graph covers every layer of a step: `decode_layers` takes the layers and the
 as inputs, so the layers' weights and the cache are the graph's inputs (dynamo lifts the
 parameters of built-in modules), and dynamo checks its guards once a step, not once a layer
 (that cost ~4 ms of a ~19 ms step with one compiled call per layer). Shapes are dynamic in batch
-size, key length and cache size. Compiling takes minutes of a core the first time (~1.3 minutes
-with inductor's disk cache), so it runs in a thread of its own at engine start while the eager
-step serves; the thread compiles every graph a decode can need on scratch tensors
+size, key length and cache size. Compiling takes 1-2 minutes a graph of a free core the first
+time (~25 s with inductor's disk cache), so it runs in a thread of its own at engine start while
+the eager step serves; the thread compiles every graph a decode can need on scratch tensors
 (`warm_up_shapes`) and only then is `layers_decode` handed out. A later step whose shapes no
 graph covers runs eagerly rather than compiling in the engine loop (stance "eager_on_recompile").
 
@@ -37,11 +37,11 @@ INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "online_softmax": False}
 
 def warm_up_shapes(max_batch: int, block_size: int, max_packed_rows: int) -> list[tuple[int, int]]:
     """(batch, key_len) pairs that together compile every graph a decode step can need: dynamo
-    specializes size 1 (batch 1; the attention reads two key blocks at least, so not keys within
-    one) and the quantized layers branch on the rows (`max_packed_rows`: WeightOnlyLinear.max_rows)."""
+    specializes size 1 (batch 1, keys within one block) and the quantized layers branch on the
+    rows (`max_packed_rows`: WeightOnlyLinear.max_rows)."""
     batches = sorted({n for n in (1, 2, max_packed_rows + 1) if n <= max_batch}, reverse=True)
-    # Dynamo tries the newest graph first: batch 1, the commonest, goes last.
-    return [(n, 2 * block_size + 1) for n in batches]
+    # Dynamo tries the newest graph first: batch 1 over several blocks, the commonest, goes last.
+    return [(n, key_len) for n in batches for key_len in (2, 2 * block_size + 1)]
 
 
 class CompiledDecode:

@@ -29,11 +29,9 @@ def decode_attention(
     """
     n, heads, head_dim = q.shape
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
-    # Whole blocks, and at least two (a block's table entry is valid even past a row's end): the
-    # keys past a row's position are masked anyway, and a compiled step (engine/compiled_decode.py)
-    # then needs no graph of its own for ragged ends or for keys within one block (dynamo
-    # specializes a size of 1).
-    blocks = block_table[:n, : torch.sym_max(-(-key_len // block_size), 2)]
+    blocks = block_table[:n, : -(-key_len // block_size)]
+    # Whole blocks: the keys past a row's position are masked anyway, and one shape per block
+    # count keeps a compiled step (engine/compiled_decode.py) from specializing on ragged ends.
     key_len = blocks.shape[1] * block_size
     # float32 throughout: the CPU's bfloat16 matmuls take 3-5x longer at these sizes (a query row
     # per head group), and the output is rounded once.
