@@ -81,6 +81,27 @@ def test_batched_rows_at_different_positions(compiled, prompts, batch: int) -> N
     assert float((got.gather(-1, top) - eager.gather(-1, top)).abs().max()) <= EAGER_TOLERANCE
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_keys_within_one_block_run_compiled(compiled, batch: int) -> None:
+    """Fewer keys than a block (dynamo specializes a block count of 1: a graph of their own): the
+    step finds its graph, logprobs close to the eager step's."""
+    model, compiled = compiled
+    config = model.config
+    cache = KVCache(config.num_layers, batch, config.num_kv_heads, config.head_dim, 256, torch.bfloat16,
+                    torch.device("cpu"))
+    for row in range(batch):
+        assert cache.allocate(row, 8)
+    cache.sync_table()
+    with torch.inference_mode():  # the step's inputs as the engine makes them
+        positions = torch.arange(batch) + 2
+        step = (torch.arange(batch) + 100, positions, int(positions.max()) + 1, cache, cache.block_table[:batch])
+        eager = model.decode(*step).log_softmax(-1)
+        with compiled.stance():
+            got = model.decode(*step, compiled.layers_decode()).log_softmax(-1)
+    top = eager.topk(TOP_K, dim=-1).indices
+    assert float((got.gather(-1, top) - eager.gather(-1, top)).abs().max()) <= EAGER_TOLERANCE
+
+
 def test_engine_switches_to_the_compiled_step(compiled, stored_model_dir: Path, tokenizer, prompts) -> None:
     """An engine compiling in the background serves meanwhile, then decodes with the compiled
     layers (none missing: a miss raises here): a greedy answer as the eager step's starts, and
