@@ -31,7 +31,7 @@ from llgtrt_core.api.shutdown import SHUTDOWN, drain_on_sigterm
 from llgtrt_core.chat_template import ChatTemplate
 from llgtrt_core.config import TokenizerConfig, load_config
 from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
-from llgtrt_core.engine.factory import create_engine, resolve_api_workers
+from llgtrt_core.engine.factory import create_engine, engine_kind, resolve_api_workers
 from llgtrt_core.runtime import ModelRuntime
 from llgtrt_core.tokenizer import Tokenizer
 from llgtrt_core.reasoning import resolve_reasoning
@@ -52,7 +52,7 @@ def ensure_model_in_store() -> None:
 
 
 ensure_model_in_store()
-CONFIG = resolve_api_workers(CONFIG, bentoml.models.get(CONFIG.model_tag).info.metadata.get("engine", "pytorch"))
+CONFIG = resolve_api_workers(CONFIG, engine_kind(bentoml.models.get(CONFIG.model_tag).info.metadata))
 
 
 def current_runtime() -> Optional[ModelRuntime]:

@@ -231,6 +231,12 @@ class ServerConfig:
         if self.api_workers is not None and self.api_workers < 1:
             raise ConfigError("config key 'server.api_workers' must be at least 1")
 
+    @property
+    def several_api_workers(self) -> bool:
+        """Whether API workers share the engine process and the stored responses (null, not resolved
+        by the service, as in an app built for a test: one)."""
+        return (self.api_workers or 1) > 1
+
 
 @dataclass(frozen=True)
 class Config:

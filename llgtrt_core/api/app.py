@@ -131,10 +131,9 @@ def create_app(get_runtime: Callable[[], Optional[ModelRuntime]], config: Server
 
 
 def _response_store(config: ServerConfig) -> ResponseStore:
-    """Several API workers share one store: a client's next request may reach any of them (null:
-    not resolved by the service, as in an app built for a test: one)."""
+    """Several API workers share one store: a client's next request may reach any of them."""
     size, ttl = config.response_store_size, config.response_store_ttl_seconds
-    return SharedResponseStore(size, ttl) if (config.api_workers or 1) > 1 else MemoryResponseStore(size, ttl)
+    return SharedResponseStore(size, ttl) if config.several_api_workers else MemoryResponseStore(size, ttl)
 
 
 def _model_card(loaded: ModelRuntime) -> ModelCard:

@@ -25,6 +25,10 @@ class StoredResponse:
     stop: asyncio.Event = field(default_factory=asyncio.Event)  # set by cancel while in progress
     stored_at: float = field(default_factory=time.monotonic)
 
+    def cancel(self) -> None:
+        self.response.status = "cancelled"
+        self.stop.set()  # its generation ends at its next token
+
 
 class ResponseStore(Protocol):
     def put(self, entry: StoredResponse) -> None:
@@ -74,8 +78,7 @@ class MemoryResponseStore:
     def cancel(self, response_id: str) -> Optional[StoredResponse]:
         entry = self.get(response_id)
         if entry is not None and entry.response.status == "in_progress":
-            entry.response.status = "cancelled"
-            entry.stop.set()  # its generation ends at its next token
+            entry.cancel()
         return entry
 
     def _drop_expired(self) -> None:

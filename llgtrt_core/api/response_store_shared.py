@@ -67,7 +67,7 @@ class SharedResponseStore:
             marked = db.execute("SELECT 1 FROM responses WHERE id = ? AND cancel_requested = 1",
                                 (response.id,)).fetchone()
             if marked:  # cancelled in another worker before this one saw it
-                _stop(entry)
+                entry.cancel()
             entry.stored_at = self._clock()
             db.execute("INSERT OR REPLACE INTO responses (id, stored_at, entry) VALUES (?, ?, ?)",
                        (response.id, entry.stored_at, _dump(entry)))
@@ -98,12 +98,12 @@ class SharedResponseStore:
             entry = _load(*row)
             if entry.response.status != "in_progress":
                 return entry
-            entry.response.status = "cancelled"
+            entry.cancel()  # the copy stored; the worker running it stops at the mark
             db.execute("UPDATE responses SET cancel_requested = 1, entry = ? WHERE id = ?",
                        (_dump(entry), response_id))
         running = self._running.get(response_id)
         if running is not None:  # it runs here: no need to wait for the poll
-            _stop(running)
+            running.cancel()
         return entry
 
     def _watch(self, entry: StoredResponse) -> None:
@@ -123,7 +123,7 @@ class SharedResponseStore:
             for (response_id,) in marked:
                 entry = self._running.get(response_id)
                 if entry is not None:
-                    _stop(entry)
+                    entry.cancel()
 
     def _oldest_kept(self) -> float:
         return self._clock() - self.ttl_s
@@ -151,11 +151,6 @@ class SharedResponseStore:
             db.executescript(_SCHEMA)
             self._db = db
         return self._db
-
-
-def _stop(entry: StoredResponse) -> None:
-    entry.response.status = "cancelled"
-    entry.stop.set()  # its generation ends at its next token
 
 
 def _dump(entry: StoredResponse) -> bytes:

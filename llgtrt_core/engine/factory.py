@@ -17,6 +17,11 @@ if TYPE_CHECKING:
 TENSORRT_LLM_KINDS = ("tensorrt_llm", "tensorrt_llm_engine")
 
 
+def engine_kind(metadata: dict[str, Any]) -> str:
+    """The engine a stored model's metadata names (models packed before the field: the embedded one)."""
+    return metadata.get("engine", "pytorch")
+
+
 def resolve_api_workers(config: Config, engine_kind: str) -> Config:
     """`server.api_workers` as a number: null is 1 on a CPU and, with a GPU, a core in four up to 4
     (docs/architecture.md). Looks for the GPU without importing torch (this runs at import)."""
@@ -43,7 +48,7 @@ def create_engine(
     """The embedded engine runs in a process of its own (`EngineCoreClient`), which builds its own
     constraint stage; TensorRT-LLM runs in this one with a mask post-processor built here."""
     runtime = config.runtime
-    kind = metadata.get("engine", "pytorch")
+    kind = engine_kind(metadata)
     if kind == "pytorch":
         from llgtrt_core.engine.core_client import EngineCoreClient, api_worker_index, engine_socket_path
         from llgtrt_core.engine.core_protocol import CoreSpec
@@ -57,14 +62,14 @@ def create_engine(
                                           kv_cache_free_gpu_memory_fraction=runtime.kv_cache_free_gpu_mem_fraction,
                                           kv_cache_max_tokens=runtime.kv_cache_max_tokens,
                                           prefix_caching=runtime.enable_kv_cache_reuse)
-        shared = (config.server.api_workers or 1) > 1
+        shared = config.server.several_api_workers
         spec = CoreSpec(str(model_dir), engine_config, vocab_size, tuple(eos_token_ids), config.llguidance,
                         listen_path=engine_socket_path() if shared else None)
         client = EngineCoreClient(spec, owner=not shared or api_worker_index() == 1)
         grammars.on_miss = client.precompile
         return client
     if kind in TENSORRT_LLM_KINDS:
-        if (config.server.api_workers or 1) > 1:  # each worker would load its own copy of the model
+        if config.server.several_api_workers:  # each worker would load its own copy of the model
             raise ValueError("server.api_workers above 1 needs the embedded engine; TensorRT-LLM runs in the "
                              "API worker's process")
         from llgtrt_core.constraints.postprocessor import MaskPostProcessor
