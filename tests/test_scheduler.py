@@ -42,10 +42,10 @@ class Harness:
         self.scheduler.add(seq)
         return seq
 
-    def run_plan(self):
+    def run_plan(self, admit: bool = True):
         """Schedule a step and play the forward pass's part: chunks advance their lengths, every
         decoding row writes its pending token and gets a new one."""
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(admit)
         if plan is None:
             return None
         for seq in self.scheduler.running[:plan.num_decoding]:
@@ -176,6 +176,22 @@ def test_prompts_admitted_ahead_ride_whole_and_a_long_one_waits_in_progress():
     assert plan.num_decoding == 3
     assert [(c.seq.request_id, c.row, c.end, c.last) for c in plan.chunks] == [("d", 3, 40, True)]
     assert h.scheduler.admit_ahead(max_tokens=100, max_chunk_tokens=16) == []  # "e": no row left
+
+
+def test_a_step_riding_ahead_admits_nobody_but_goes_on_with_the_prompt_in_progress():
+    """schedule(admit=False), the engine's step when a decode queued ahead has room for prompts:
+    waiting requests stay queued for admit_ahead, while a prompt already in progress is planned."""
+    h = Harness(slots=4, blocks=16, chunk=4)
+    h.add("a", 10)
+    assert [(c.seq.request_id, c.end, c.last) for c in h.run_plan().chunks] == [("a", 4, False)]
+    h.add("b", 3)
+    assert [(c.seq.request_id, c.end, c.last) for c in h.run_plan(admit=False).chunks] == [("a", 8, False)]
+    assert [(c.seq.request_id, c.end, c.last) for c in h.run_plan(admit=False).chunks] == [("a", 10, True)]
+    plan = h.run_plan(admit=False)
+    assert plan.num_decoding == 1 and plan.chunks == []
+    assert [s.request_id for s in h.scheduler.waiting] == ["b"]
+    assert [c.seq.request_id for c in h.scheduler.admit_ahead(max_tokens=100, max_chunk_tokens=16)] == ["b"]
+    assert [s.request_id for s in h.scheduler.running] == ["a", "b"]
 
 
 def test_admit_ahead_keeps_to_the_token_budget():

@@ -131,11 +131,13 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def schedule(self) -> Optional[StepPlan]:
-        """This step's plan; None when nothing can run (a prompt in progress waits for blocks)."""
+    def schedule(self, admit: bool = True) -> Optional[StepPlan]:
+        """This step's plan; None when nothing can run (a prompt in progress waits for blocks).
+        admit=False: no waiting request is admitted now (the prompt in progress is still planned);
+        they wait for `admit_ahead` later in the step."""
         self._make_room()
         num_decoding = len(self.running)
-        chunks = self._plan_prefill()
+        chunks = self._plan_prefill(admit)
         if not chunks and not num_decoding:
             return None
         return StepPlan(num_decoding, chunks)
@@ -191,7 +193,7 @@ class Scheduler:
         self.blocks.free(self.blocks.prefill_row)
         return held
 
-    def _plan_prefill(self) -> list[Chunk]:
+    def _plan_prefill(self, admit: bool) -> list[Chunk]:
         """Admit waiting requests and pick this step's prompt chunks, in row order: whole prompts
         while the token budget and the free blocks last, then the start of the next one, which
         stays in progress in the prefill row (nothing else is admitted until it is done). A prompt
@@ -201,7 +203,7 @@ class Scheduler:
         chunks: list[Chunk] = []
         while budget > 0:
             slot = len(self.running)
-            seq = self.prefilling or self._admit_next()
+            seq = self.prefilling or (self._admit_next() if admit else None)
             if seq is None:
                 break
             end = min(len(seq.prefill_tokens), seq.length + budget)
