@@ -178,20 +178,35 @@ def test_prompts_admitted_ahead_ride_whole_and_a_long_one_waits_in_progress():
     assert h.scheduler.admit_ahead(max_tokens=100, max_chunk_tokens=16) == []  # "e": no row left
 
 
-def test_a_step_riding_ahead_admits_nobody_but_goes_on_with_the_prompt_in_progress():
+def test_a_step_riding_ahead_admits_only_beside_a_prompt_in_progress():
     """schedule(admit=False), the engine's step when a decode queued ahead has room for prompts:
-    waiting requests stay queued for admit_ahead, while a prompt already in progress is planned."""
+    waiting requests stay queued for admit_ahead, unless the step prefills a prompt in progress
+    anyway; then they join that pass as they would have."""
     h = Harness(slots=4, blocks=16, chunk=4)
     h.add("a", 10)
     assert [(c.seq.request_id, c.end, c.last) for c in h.run_plan().chunks] == [("a", 4, False)]
-    h.add("b", 3)
+    h.add("b", 6)
     assert [(c.seq.request_id, c.end, c.last) for c in h.run_plan(admit=False).chunks] == [("a", 8, False)]
-    assert [(c.seq.request_id, c.end, c.last) for c in h.run_plan(admit=False).chunks] == [("a", 10, True)]
+    assert [(c.seq.request_id, c.end, c.last) for c in h.run_plan(admit=False).chunks] == [
+        ("a", 10, True), ("b", 2, False)]
+    h.add("c", 3)
+    assert [(c.seq.request_id, c.end, c.last) for c in h.run_plan(admit=False).chunks] == [("b", 6, True)]
     plan = h.run_plan(admit=False)
-    assert plan.num_decoding == 1 and plan.chunks == []
-    assert [s.request_id for s in h.scheduler.waiting] == ["b"]
-    assert [c.seq.request_id for c in h.scheduler.admit_ahead(max_tokens=100, max_chunk_tokens=16)] == ["b"]
-    assert [s.request_id for s in h.scheduler.running] == ["a", "b"]
+    assert plan.num_decoding == 2 and plan.chunks == []
+    assert [s.request_id for s in h.scheduler.waiting] == ["c"]
+    assert [c.seq.request_id for c in h.scheduler.admit_ahead(max_tokens=100, max_chunk_tokens=16)] == ["c"]
+    assert [s.request_id for s in h.scheduler.running] == ["a", "b", "c"]
+
+
+def test_waiting_prompts_join_the_pass_of_a_prompt_in_progress_when_riding_ahead():
+    h = Harness(slots=4, blocks=16)
+    h.add("a", 5)
+    h.run_plan()
+    for request_id, n in (("d", 40), ("e", 3)):
+        h.add(request_id, n)
+    assert h.scheduler.admit_ahead(max_tokens=100, max_chunk_tokens=16) == []  # "d" is too long to ride
+    plan = h.scheduler.schedule(admit=False)
+    assert [(c.seq.request_id, c.end, c.last) for c in plan.chunks] == [("d", 40, True), ("e", 3, True)]
 
 
 def test_admit_ahead_keeps_to_the_token_budget():

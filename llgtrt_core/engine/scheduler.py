@@ -133,8 +133,8 @@ class Scheduler:
 
     def schedule(self, admit: bool = True) -> Optional[StepPlan]:
         """This step's plan; None when nothing can run (a prompt in progress waits for blocks).
-        admit=False: no waiting request is admitted now (the prompt in progress is still planned);
-        they wait for `admit_ahead` later in the step."""
+        admit=False: waiting requests wait for `admit_ahead` later in the step, unless this step
+        prefills a prompt in progress anyway (then they join its pass, as with admit=True)."""
         self._make_room()
         num_decoding = len(self.running)
         chunks = self._plan_prefill(admit)
@@ -203,7 +203,7 @@ class Scheduler:
         chunks: list[Chunk] = []
         while budget > 0:
             slot = len(self.running)
-            seq = self.prefilling or (self._admit_next() if admit else None)
+            seq = self.prefilling or (self._admit_next() if admit or chunks else None)
             if seq is None:
                 break
             end = min(len(seq.prefill_tokens), seq.length + budget)
