@@ -102,6 +102,42 @@ def test_keys_within_one_block_run_compiled(compiled, batch: int) -> None:
     assert float((got.gather(-1, top) - eager.gather(-1, top)).abs().max()) <= EAGER_TOLERANCE
 
 
+@pytest.mark.parametrize("new_tokens", [4, MAX_BATCH])
+def test_prompt_tokens_ride_the_compiled_step(compiled, prompts, new_tokens: int) -> None:
+    """A prompt's next tokens as rows of the compiled step, each at its own position of the same
+    cache row (how the engine prefills a short chunk, model_runner.py): the last token's logprobs
+    close to an eager `extend` of the same tokens, and the keys written let a decode go on alike."""
+    model, compiled = compiled
+    config = model.config
+    prompt = prompts[0]
+    cached, new = prompt[: len(prompt) - new_tokens], prompt[len(prompt) - new_tokens:]
+    caches = []
+    for _ in range(2):
+        cache = KVCache(config.num_layers, 1, config.num_kv_heads, config.head_dim, 256, torch.bfloat16,
+                        torch.device("cpu"))
+        assert cache.allocate(0, len(prompt) + 1)
+        cache.sync_table()
+        model.extend(torch.tensor(cached), cache, slot=0)
+        caches.append(cache)
+    eager_cache, rows_cache = caches
+    eager = model.extend(torch.tensor(new), eager_cache, slot=0, start=len(cached)).float().log_softmax(-1)
+    table = torch.zeros(MAX_BATCH, rows_cache.block_table.shape[1], dtype=torch.long)  # a normal tensor, as the runner's
+    with torch.inference_mode():  # the step's inputs as the engine makes them
+        positions = torch.arange(len(cached), len(prompt))
+        table = torch.index_select(rows_cache.block_table, 0, torch.zeros(new_tokens, dtype=torch.long),
+                                   out=table[:new_tokens])
+        with compiled.stance():
+            got = model.decode(torch.tensor(new), positions, len(prompt), rows_cache, table,
+                               compiled.layers_decode(), picked=torch.tensor([new_tokens - 1]))[0].float().log_softmax(-1)
+    top = eager.topk(TOP_K).indices
+    assert float((got[top] - eager[top]).abs().max()) <= EAGER_TOLERANCE
+    with torch.inference_mode():
+        step = (torch.tensor([int(eager.argmax())]), torch.tensor([len(prompt)]), len(prompt) + 1)
+        after = [model.decode(*step, cache, cache.block_table[:1]).log_softmax(-1)[0] for cache in caches]
+    top = after[0].topk(TOP_K).indices
+    assert float((after[1][top] - after[0][top]).abs().max()) <= EAGER_TOLERANCE
+
+
 def test_engine_switches_to_the_compiled_step(compiled, stored_model_dir: Path, tokenizer, prompts) -> None:
     """An engine compiling in the background serves meanwhile, then decodes with the compiled
     layers (none missing: a miss raises here): a greedy answer as the eager step's starts, and

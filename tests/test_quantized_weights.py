@@ -132,6 +132,21 @@ def test_a_corrupted_packing_fails_the_check(stored_model_dir: Path, prompts, re
     assert agreement < MIN_GREEDY_AGREEMENT or worst > LOGPROB_TOLERANCE, (agreement, worst)
 
 
+def test_the_lm_head_on_more_threads(stored_model_dir: Path) -> None:
+    """`logits` on head_threads (the engine runs the lm_head on every core): the same logits from
+    the int8 kernel (1 row) and the bfloat16 GEMM (8 rows), and the caller's thread count back."""
+    model = quantized_model(stored_model_dir, "int4")
+    hidden = torch.randn(8, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        want = [model.logits(hidden[:1]), model.logits(hidden)]
+        model.head_threads = threads + 1
+        got = [model.logits(hidden[:1]), model.logits(hidden)]
+    assert torch.get_num_threads() == threads
+    for logits, expected in zip(got, want):
+        assert float((logits - expected).abs().max()) <= 1e-2 * float(expected.abs().max())
+
+
 def test_the_default_is_int4_and_its_constrained_answers_stay_valid(stored_model_dir: Path, tokenizer, prompts) -> None:
     from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
     from llgtrt_core.constraints.postprocessor import MaskPostProcessor

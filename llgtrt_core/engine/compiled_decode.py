@@ -52,14 +52,20 @@ class CompiledDecode:
         self.model = model
         self.on_miss = on_miss
         self.max_batch = cache.num_slots
+        # Rows the graphs take without a compile: the one past batch 1 serves up to the quantized
+        # layers' packed-kernel rows, the one past those (if max_batch reaches it) any count.
+        self.max_rows = max(self.max_batch, self._max_packed_rows())
         self.block_size = cache.block_size
         self.table_width = cache.block_table.shape[1]
         self.ready = threading.Event()
         self._compiled: Optional[LayersDecode] = None
         self._thread: Optional[threading.Thread] = None
+        self._threads = 1
 
     def start(self) -> None:
-        """Compile in the background; `layers_decode` stays None until every graph is compiled."""
+        """Compile in the background; `layers_decode` stays None until every graph is compiled.
+        Called on a thread with the engine's torch thread count."""
+        self._threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._compile, name="cpu-compile", daemon=True)
         self._thread.start()
 
@@ -78,10 +84,16 @@ class CompiledDecode:
         step (it is not cheap: entered for each layer's call it took ~8 % of a batch-1 step)."""
         return torch.compiler.set_stance(self.on_miss)
 
+    def _max_packed_rows(self) -> int:
+        return getattr(self.model.model.layers[0].mlp.down_proj, "max_rows", self.max_batch)
+
     def _compile(self) -> None:
         import torch.fx.experimental._config as fx_config  # torch.compile's own imports: not at module import
 
         started = time.perf_counter()
+        # Dynamo guards the thread count: the engine's, not whatever a new thread would pick up
+        # while the engine thread has the lm_head's count set (LlamaForCausalLM.logits).
+        torch.set_num_threads(self._threads)
         try:
             # Isolated: another model's graphs (a second engine in one process) neither count
             # against this one's recompile limit nor lengthen its lookups.
@@ -106,8 +118,7 @@ class CompiledDecode:
         model = self.model
         dtype = model.model.norm.weight.dtype
         kv_heads, head_dim = model.config.num_kv_heads, model.config.head_dim
-        shapes = warm_up_shapes(self.max_batch, self.block_size,
-                                getattr(model.model.layers[0].mlp.down_proj, "max_rows", self.max_batch))
+        shapes = warm_up_shapes(self.max_batch, self.block_size, self._max_packed_rows())
         blocks_per_row = -(-max(key_len for _, key_len in shapes) // self.block_size)
         shape = (blocks_per_row * self.max_batch + 1, kv_heads, self.block_size, head_dim)
         keys = [torch.zeros(shape, dtype=dtype) for _ in model.model.layers]

@@ -10,6 +10,10 @@ Under CUDA graphs, short prompt chunks (`GRAPH_CHUNK_TOKENS`) are computed by th
 too, each token a row of its own (see decode_graphs.py): an eager pass costs ~0.6 ms of host
 time per layer in kernel launches, 20 ms for an 8B model whatever its size, where a replay costs
 the GPU's time alone. A mixed step is then a single replay. Longer chunks run eagerly (SDPA).
+
+On the CPU, once the decode step is compiled (compiled_decode.py), short prompt chunks ride it
+the same way (`CPU_RIDE_TOKENS`): an eager pass pays ~25 torch ops a layer dispatched from Python,
+~0.6 ms a layer for a short prompt (docs/benchmarks/cpu.md), where the compiled step is one call.
 """
 
 from __future__ import annotations
@@ -26,11 +30,14 @@ from llgtrt_core.engine.kv_cache import KVCache
 from llgtrt_core.engine.sampler import token_logprobs
 from llgtrt_core.engine.sequence import Chunk, Sequence, StepPlan
 from llgtrt_core.kernels import int64_to_device
-from llgtrt_core.models.llama import LlamaForCausalLM, Segment
+from llgtrt_core.models.llama import LayersDecode, LlamaForCausalLM, Segment
 
 _PROMPT_LOGPROBS_CHUNK = 256  # prompt positions projected to the vocabulary at once
 PREFILL_PASS_TOKENS = 8192  # prompt tokens batched into one forward pass (bounds its activations)
 GRAPH_CHUNK_TOKENS = 128  # a prompt chunk up to this long is computed by the decode graphs
+# On the CPU: each token's row gathers its sequence's keys (rows x keys of copies a layer), so
+# only short chunks ride the compiled decode step.
+CPU_RIDE_TOKENS = 32
 
 
 class ModelRunner:
@@ -44,6 +51,12 @@ class ModelRunner:
         self.device = device
         self.decode_graphs = decode_graphs
         self.num_mixed_steps = 0  # steps that decoded and prefilled in one pass
+        # The compiled CPU decode step, read once a step (its compile finishes on another thread).
+        self._step_layers: Optional[LayersDecode] = None
+        # Block table rows of a compiled pass with prompt rows: a normal tensor like the cache's
+        # own table (compiled graphs are specific to the kind of tensor).
+        self._ride_table = None if compiled_decode is None else torch.zeros(
+            compiled_decode.max_rows, cache.block_table.shape[1], dtype=cache.block_table.dtype, device=device)
 
     def forward(self, plan: StepPlan, running: list[Sequence], ahead: Optional[torch.Tensor]
                 ) -> Optional[torch.Tensor]:
@@ -52,6 +65,7 @@ class ModelRunner:
         this step, in row order (None when no row does). Advances each sequence's cached length."""
         logits = []
         num_decoding = plan.num_decoding
+        self._step_layers = None if self.compiled_decode is None else self.compiled_decode.layers_decode()
         if num_decoding:
             batch = running[:num_decoding]
             if ahead is None and self._mixes(batch, plan.chunks):
@@ -62,7 +76,7 @@ class ModelRunner:
                     seq.length += 1
                     seq.pending_tokens = seq.pending_tokens[1:]  # a copy: the list went out in a delta
             decoded = self._extend_pending(batch, ahead[:num_decoding])
-            if any(map(self._rides_graph, plan.chunks)):
+            if self.decode_graphs is not None and any(map(self._rides_graph, plan.chunks)):
                 # The graphs share one memory pool: the prefill's replay would overwrite these logits.
                 decoded = decoded.clone()
             logits.append(decoded)
@@ -104,11 +118,15 @@ class ModelRunner:
         more than a second read of the weights)."""
         if not (self.mixed_prefill and chunks and all(len(seq.pending_tokens) == 1 for seq in batch)):
             return False
-        if self.decode_graphs is not None:
-            return (all(self._rides_graph(c) for c in chunks)
-                    and len(batch) + sum(c.num_tokens for c in chunks) <= self.decode_graphs.max_rows)
-        return (not any(c.seq.scores_prompt() for c in chunks)
+        if self._rides_together(batch, chunks):
+            return True
+        return (self.decode_graphs is None and not any(c.seq.scores_prompt() for c in chunks)
                 and sum(c.num_tokens for c in chunks) <= PREFILL_PASS_TOKENS)
+
+    def _rides_together(self, batch: list[Sequence], chunks: list[Chunk]) -> bool:
+        """The decode of `batch` and every prompt chunk fit one pass of the graphs (compiled step)."""
+        return (all(self._rides_graph(c) for c in chunks)
+                and len(batch) + sum(c.num_tokens for c in chunks) <= self._graph_rows())
 
     def ride_room(self, num_decoding: int) -> tuple[int, int]:
         """Prompt tokens that can ride in a decode of `num_decoding` rows: in all, and per chunk
@@ -118,12 +136,17 @@ class ModelRunner:
         return self.decode_graphs.max_rows - num_decoding, GRAPH_CHUNK_TOKENS
 
     def _rides_graph(self, chunk: Chunk) -> bool:
-        return (self.decode_graphs is not None and chunk.num_tokens <= GRAPH_CHUNK_TOKENS
-                and not chunk.seq.scores_prompt())
+        """Whether the chunk's tokens are computed as decode rows: by the CUDA graphs, or by the
+        compiled CPU step once it is ready."""
+        if chunk.seq.scores_prompt():
+            return False
+        if self.decode_graphs is not None:
+            return chunk.num_tokens <= GRAPH_CHUNK_TOKENS
+        return self._step_layers is not None and chunk.num_tokens <= CPU_RIDE_TOKENS
 
     def _mixed(self, batch: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
         self.num_mixed_steps += 1
-        if self.decode_graphs is not None:
+        if self._rides_together(batch, chunks):
             logits = self._graph_pass(batch, chunks)
         else:
             positions = [seq.length for seq in batch]
@@ -175,13 +198,15 @@ class ModelRunner:
         return torch.cat(rows) if len(rows) > 1 else rows[0]
 
     def _graph_rows(self) -> int:
-        return self.decode_graphs.max_rows if self.decode_graphs is not None else 0
+        if self.decode_graphs is not None:
+            return self.decode_graphs.max_rows
+        return self._ride_table.shape[0] if self._step_layers is not None else 0
 
     def _graph_pass(self, batch: list[Sequence], chunks: list[Chunk],
                     decode_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One replay of the decode graphs: row i of `batch` decodes its pending token (or
-        decode_tokens[i], on the device) in cache row i, and every token of `chunks` is a row of
-        its own; the decoded rows' logits, then each chunk's last token's."""
+        """One replay of the decode graphs (on the CPU: one compiled step): row i of `batch` decodes
+        its pending token (or decode_tokens[i], on the device) in cache row i, and every token of
+        `chunks` is a row of its own; the decoded rows' logits, then each chunk's last token's."""
         prompt = [(token, position, c.row) for c in chunks
                   for position, token in enumerate(c.seq.prefill_tokens[c.seq.length:c.end], c.seq.length)]
         decoding = [(None if decode_tokens is not None else seq.pending_tokens[0], seq.length, row)
@@ -193,8 +218,20 @@ class ModelRunner:
         inputs = int64_to_device([*host_tokens, *(r[1] for r in rows), *(r[2] for r in rows), *picked], self.device)
         n, t = len(rows), len(host_tokens)
         tokens = inputs[:t] if decode_tokens is None else torch.cat([decode_tokens, inputs[:t]])
+        if self.decode_graphs is None:
+            return self._compiled_pass(tokens, inputs[t:t + n], inputs[t + n:t + 2 * n], inputs[t + 2 * n:],
+                                       max(r[1] for r in rows) + 1)
         logits = self.decode_graphs.decode(tokens, inputs[t:t + n], inputs[t + n:t + 2 * n])
         return logits.index_select(0, inputs[t + 2 * n:])
+
+    def _compiled_pass(self, tokens: torch.Tensor, positions: torch.Tensor, cache_rows: torch.Tensor,
+                       picked: torch.Tensor, key_len: int) -> torch.Tensor:
+        """`_graph_pass` on the CPU: the compiled decode step over rows that each name their cache
+        row, the `picked` rows projected to the vocabulary."""
+        table = self._ride_table[: tokens.shape[0]]
+        torch.index_select(self.cache.block_table, 0, cache_rows, out=table)
+        with self.compiled_decode.stance():
+            return self.model.decode(tokens, positions, key_len, self.cache, table, self._step_layers, picked)
 
     def _extend_scoring_prompt(self, seq: Sequence, tokens: torch.Tensor, row: int) -> torch.Tensor:
         """`extend` with these tokens, also scoring the prompt tokens they predict under the model
@@ -205,14 +242,14 @@ class ModelRunner:
         """
         start = seq.length
         hidden = self.model.extend_hidden(tokens, self.cache, [Segment(row, start, tokens.shape[0])])
-        logits = self.model.lm_head(hidden[-1]).float()
+        logits = self.model.logits(hidden[-1])
         prompt = seq.request.prompt_token_ids
         scored = min(start + tokens.shape[0], len(prompt) - 1) - start  # position p predicts prompt[p + 1]
         targets = int64_to_device(prompt[start + 1:start + 1 + max(scored, 0)], self.device)
         num_top = seq.request.sampling.prompt_logprobs
         for first in range(0, scored, _PROMPT_LOGPROBS_CHUNK):
             last = min(first + _PROMPT_LOGPROBS_CHUNK, scored)
-            chunk_logprobs = self.model.lm_head(hidden[first:last]).float().log_softmax(dim=-1)
+            chunk_logprobs = self.model.logits(hidden[first:last]).log_softmax(dim=-1)
             seq.prompt_logprobs += token_logprobs(chunk_logprobs, targets[first:last], [num_top] * (last - first))[1]
         return logits
 

@@ -127,6 +127,11 @@ class TorchEngineConfig:
         2-core machine (docs/benchmarks/engine.md)."""
         return self.cpu_threads or max(1, usable_cores() - 1)
 
+    def resolve_cpu_head_threads(self) -> int:
+        """The lm_head alone runs on every core (LlamaForCausalLM.logits): it is a fifth of a decode
+        step's bytes and one OpenMP region a step, where the layers are ~120."""
+        return max(usable_cores(), self.resolve_cpu_threads())
+
 
 def usable_cores() -> int:
     """CPUs this process may run on (a container's limit, not the host's count)."""
@@ -190,6 +195,8 @@ class TorchEngine(Engine):
             self.model = await asyncio.to_thread(load_model, self.model_dir, self.max_model_len, self.dtype,
                                                  self.device, self.config.resolve_weights(self.device))
         cfg = self.model.config
+        if self.device.type == "cpu":
+            self.model.head_threads = self.config.resolve_cpu_head_threads()
         self.cache = KVCache.for_device(cfg.num_layers, self.config.max_batch_size, cfg.num_kv_heads, cfg.head_dim,
                                         self.max_model_len, self.dtype, self.device,
                                         self.config.kv_cache_free_gpu_memory_fraction, self.config.kv_cache_max_tokens,

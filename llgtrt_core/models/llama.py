@@ -316,6 +316,7 @@ class LlamaForCausalLM(nn.Module):
         # Triton kernels for the ops between matmuls on CUDA; False keeps the plain torch ops (the
         # reference) on every device, which benchmarks time against.
         self.fused_ops = True
+        self.head_threads = 0  # torch threads of the lm_head (`logits`); 0: the caller's
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter under its Hugging Face checkpoint name (packed ones as row views), shared
@@ -352,6 +353,22 @@ class LlamaForCausalLM(nn.Module):
         self.reset_rope_tables()
         return weights
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm_head's float32 logits of final hidden states, on `head_threads` torch threads when
+        set: on the CPU the lm_head (49152 x 576 for the default model, a fifth of a decode step's
+        bytes) is bound by memory bandwidth, which a second core nearly doubles, and it is one
+        OpenMP region a step (the layers' ~120 stalled a team of two on a shared machine,
+        docs/benchmarks/cpu.md). The compiled layers keep the caller's count: their graphs are
+        specific to it."""
+        if not self.head_threads:
+            return self.lm_head(hidden).float()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.head_threads)
+        try:
+            return self.lm_head(hidden).float()
+        finally:
+            torch.set_num_threads(threads)
+
     def reset_rope_tables(self) -> None:
         """Recompute the float32 cos/sin tables on the model's device (after to_empty or a dtype cast)."""
         self.rope_cos, self.rope_sin = rope_tables(self.config, self.max_positions, self.model.norm.weight.device)
@@ -376,7 +393,7 @@ class LlamaForCausalLM(nn.Module):
         """`extend` for several rows in one pass: token_ids holds each segment's tokens in turn.
         Returns each segment's last-position logits (segments, vocab)."""
         last = int64_to_device([end - 1 for end in itertools.accumulate(s.length for s in segments)], token_ids.device)
-        return self.lm_head(self.extend_hidden(token_ids, cache, segments)[last]).float()
+        return self.logits(self.extend_hidden(token_ids, cache, segments)[last])
 
     @torch.inference_mode()
     def extend_hidden(self, token_ids: torch.Tensor, cache: KVCache, segments: Sequence[Segment]) -> torch.Tensor:
@@ -405,7 +422,7 @@ class LlamaForCausalLM(nn.Module):
         )
         ends = itertools.accumulate(s.length for s in segments)
         rows = int64_to_device([*range(n), *(n + end - 1 for end in ends)], device)
-        return self.lm_head(hidden[rows]).float()
+        return self.logits(hidden[rows])
 
     def _new_tokens(self, cache: KVCache, segments: Sequence[Segment], device: torch.device) -> NewTokens:
         # From pinned memory: a pageable copy would wait for the work already queued (the GPU idles
@@ -423,15 +440,20 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, key_len: int, cache: KVCache,
-               block_table: torch.Tensor, layers_decode: Optional[LayersDecode] = None) -> torch.Tensor:
+               block_table: torch.Tensor, layers_decode: Optional[LayersDecode] = None,
+               picked: Optional[torch.Tensor] = None) -> torch.Tensor:
         """token_ids, positions: (n,); row i continues the sequence whose blocks block_table[i] lists
         (the cache's own table for its rows 0..n-1, or a CUDA graph's copy of it). key_len >=
         max(positions) + 1, known to the caller without a device sync, bounds the keys the torch
         ops read; the Triton ops read each row's own length on the device. layers_decode replaces
-        `decode_layers` (a compiled copy on the CPU, engine/compiled_decode.py). Returns logits (n, vocab)."""
+        `decode_layers` (a compiled copy on the CPU, engine/compiled_decode.py). picked: the rows
+        projected to the vocabulary (default: all; prompt tokens riding as rows need only their
+        last). Returns logits (n or picked, vocab)."""
         ops = layer_ops(token_ids.device, self.fused_ops)
         x, residual = (layers_decode or decode_layers)(self.model.layers, self.model.embed_tokens(token_ids), ops,
                                                        self.rope_cos, self.rope_sin, cache.keys, cache.values,
                                                        block_table, positions, key_len)
+        if picked is not None:
+            x, residual = x.index_select(0, picked), residual.index_select(0, picked)
         hidden, _ = self.model.norm.add(x, residual, ops)
-        return self.lm_head(hidden).float()
+        return self.logits(hidden)
