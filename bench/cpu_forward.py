@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10, help="passes timed per round")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (the engine's default on 2 cores)")
+    parser.add_argument("--head-threads", type=int, default=0,
+                        help="torch threads of the lm_head (the engine's: every core); 0: --threads")
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0, help="the random token ids")
     parser.add_argument("--profile", action="store_true", help="torch.profiler table per format and pass")
@@ -91,9 +93,11 @@ def main() -> None:
     models = {}
     for name in args.formats.split(","):
         dtype, weights, compile_decode = FORMATS[name]
-        models[name] = passes(load_model(model_dir, MAX_LEN, dtype, torch.device("cpu"), weights), dtype, compile_decode,
-                              args.prompt_tokens, args.seed)
-    print(f"{machine()}; {args.threads} thread(s); seed {args.seed}", flush=True)
+        model = load_model(model_dir, MAX_LEN, dtype, torch.device("cpu"), weights)
+        model.head_threads = args.head_threads
+        models[name] = passes(model, dtype, compile_decode, args.prompt_tokens, args.seed)
+    print(f"{machine()}; {args.threads} thread(s), lm_head {args.head_threads or args.threads}; seed {args.seed}",
+          flush=True)
     times: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.rounds):
         for name, runs in models.items():

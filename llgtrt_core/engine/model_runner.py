@@ -11,9 +11,9 @@ too, each token a row of its own (see decode_graphs.py): an eager pass costs ~0.
 time per layer in kernel launches, 20 ms for an 8B model whatever its size, where a replay costs
 the GPU's time alone. A mixed step is then a single replay. Longer chunks run eagerly (SDPA).
 
-On the CPU, once the decode step is compiled (compiled_decode.py), short prompt chunks ride it
-the same way (`CPU_RIDE_TOKENS`): an eager pass pays ~25 torch ops a layer dispatched from Python,
-~0.6 ms a layer for a short prompt (docs/benchmarks/cpu.md), where the compiled step is one call.
+On the CPU, once the decode step is compiled (compiled_decode.py), prompt chunks as short as
+its graphs' rows ride it the same way: an eager pass pays ~25 torch ops a layer dispatched from
+Python (docs/benchmarks/cpu.md), where the compiled step is one call.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from llgtrt_core.models.llama import LayersDecode, LlamaForCausalLM, Segment
 _PROMPT_LOGPROBS_CHUNK = 256  # prompt positions projected to the vocabulary at once
 PREFILL_PASS_TOKENS = 8192  # prompt tokens batched into one forward pass (bounds its activations)
 GRAPH_CHUNK_TOKENS = 128  # a prompt chunk up to this long is computed by the decode graphs
-# On the CPU: each token's row gathers its sequence's keys (rows x keys of copies a layer), so
-# only short chunks ride the compiled decode step.
-CPU_RIDE_TOKENS = 32
+# On the CPU each riding token's row gathers all its sequence's keys (eager attention reads them
+# once): a chunk rides while rows x keys stay below this (measured paying: 12 rows over 44 keys).
+CPU_RIDE_KEYS = 1024
 
 
 class ModelRunner:
@@ -142,7 +142,8 @@ class ModelRunner:
             return False
         if self.decode_graphs is not None:
             return chunk.num_tokens <= GRAPH_CHUNK_TOKENS
-        return self._step_layers is not None and chunk.num_tokens <= CPU_RIDE_TOKENS
+        return (self._step_layers is not None and chunk.num_tokens <= self.compiled_decode.max_rows
+                and chunk.num_tokens * chunk.end <= CPU_RIDE_KEYS)
 
     def _mixed(self, batch: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
         self.num_mixed_steps += 1
@@ -200,7 +201,7 @@ class ModelRunner:
     def _graph_rows(self) -> int:
         if self.decode_graphs is not None:
             return self.decode_graphs.max_rows
-        return self._ride_table.shape[0] if self._step_layers is not None else 0
+        return self.compiled_decode.max_rows if self._step_layers is not None else 0
 
     def _graph_pass(self, batch: list[Sequence], chunks: list[Chunk],
                     decode_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -11,10 +11,11 @@ model reads and writes an external paged KV cache (`llgtrt_core.engine.kv_cache.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +107,20 @@ class ModelConfig:
             attention_bias=config.get("attention_bias", architecture == "Qwen2ForCausalLM"),
             qk_norm=architecture == "Qwen3ForCausalLM",
         )
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `threads` (0: left as it is) inside the block."""
+    if not threads:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -360,14 +375,8 @@ class LlamaForCausalLM(nn.Module):
         OpenMP region a step (the layers' ~120 stalled a team of two on a shared machine,
         docs/benchmarks/cpu.md). The compiled layers keep the caller's count: their graphs are
         specific to it."""
-        if not self.head_threads:
+        with torch_threads(self.head_threads):
             return self.lm_head(hidden).float()
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self.head_threads)
-        try:
-            return self.lm_head(hidden).float()
-        finally:
-            torch.set_num_threads(threads)
 
     def reset_rope_tables(self) -> None:
         """Recompute the float32 cos/sin tables on the model's device (after to_empty or a dtype cast)."""
