@@ -53,8 +53,9 @@ class ModelRunner:
         self.num_mixed_steps = 0  # steps that decoded and prefilled in one pass
         # The compiled CPU decode step, read once a step (its compile finishes on another thread).
         self._step_layers: Optional[LayersDecode] = None
-        # Block table rows of a compiled pass with prompt rows: a normal tensor like the cache's
-        # own table (compiled graphs are specific to the kind of tensor).
+        # Block table rows of a compiled pass with prompt rows: a normal tensor, sliced, as the
+        # cache's own table is (compiled graphs are specific to the kind of tensor, and guard on a
+        # view's base).
         self._ride_table = None if compiled_decode is None else torch.zeros(
             compiled_decode.max_rows, cache.block_table.shape[1], dtype=cache.block_table.dtype, device=device)
 
