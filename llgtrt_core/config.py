@@ -73,8 +73,8 @@ class RuntimeConfig:
                                           "holds in int4 exactly (dequantized from Q4_1, as the default model), else "
                                           "int8; dense elsewhere. Env LLGTRT_WEIGHTS.")
     cpu_threads: Optional[int] = option(None, "PyTorch engine on cpu: torch intra-op threads; null: all cores "
-                                              "but one (the event loop and llguidance need one). Env "
-                                              "LLGTRT_CPU_THREADS.")
+                                              "but one (the event loop and llguidance need one); the lm_head "
+                                              "alone runs on every core. Env LLGTRT_CPU_THREADS.")
     cpu_compile: Optional[bool] = option(None, "PyTorch engine on cpu: compile the decode step's layers "
                                                "(torch.compile, a C++ compiler needed) in the background at start, "
                                                "the eager step serving meanwhile; null: on with int8/int4 weights. Env "
