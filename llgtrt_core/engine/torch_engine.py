@@ -20,9 +20,10 @@ next step's decode of every running row is queued too, fed the sampled tokens on
 before the host reads them. The host's per-step work (handing out tokens, the grammar commits,
 the next mask fill) then runs while the GPU decodes instead of between decodes. A row that
 turns out finished was decoded once for nothing; tokens a grammar forces after the sampled one
-are fed by `extend_batch` in the next step. Prompts that arrived meanwhile ride in the decode
-queued ahead when they can (under CUDA graphs, short ones: each prompt token a row of the replay,
-model_runner.py): they are admitted then, and join the running rows. Without graphs, when the next
+are fed by `extend_batch` in the next step. Waiting prompts ride in the decode queued ahead
+when they can (under CUDA graphs, short ones: each prompt token a row of the replay,
+model_runner.py): they are admitted then, and join the running rows; a step with room in its
+queued decode admits none before it (`_rides_ahead`). Without graphs, when the next
 step will admit a prompt nothing is queued ahead: that step decodes and prefills in one pass.
 """
 
