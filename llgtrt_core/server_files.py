@@ -38,5 +38,5 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process took the number: not ours to judge
-        return True
+        pass
     return True

@@ -11,7 +11,7 @@ model, whatever the batch.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,26 +28,36 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8), scales
 
 
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+class Int4Groups(NamedTuple):
+    q: torch.Tensor  # (out, in) uint8, 0..15
+    scales: torch.Tensor  # (out, in / INT4_GROUP) float32
+    low: torch.Tensor  # the groups' minimums, as scales
+
+
+def quantize_int4(weight: torch.Tensor) -> Int4Groups:
     """Asymmetric int4 per group of INT4_GROUP input channels, as llama.cpp's Q4_1: each group's
-    scale is (max - min) / 15 and its values min + q * scale, q in 0..15. Returns q (out, in)
-    int32, scales and minimums (out, in / INT4_GROUP) float32."""
+    scale is (max - min) / 15 and its values min + q * scale, q in 0..15."""
     groups = weight.float().unflatten(1, (-1, INT4_GROUP))
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scales = ((high - low) / 15).clamp(min=1e-12)
     q = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15)
-    return q.flatten(1).to(torch.int32), scales, low
+    return Int4Groups(q.flatten(1).to(torch.uint8), scales, low)
 
 
-def holds_int4_exactly(weight: torch.Tensor) -> bool:
-    """Whether int4 groups hold `weight` without error (up to float32 rounding): a checkpoint
-    dequantized from Q4_1 blocks does."""
-    if weight.shape[1] % INT4_GROUP:
-        return False
-    q, scales, low = quantize_int4(weight.detach())
-    restored = low.repeat_interleave(INT4_GROUP, 1) + q * scales.repeat_interleave(INT4_GROUP, 1)
-    error = (restored - weight.detach().float()).abs() / scales.repeat_interleave(INT4_GROUP, 1)
-    return float(error.max()) < 1e-3
+def exact_int4_groups(weights: Sequence[torch.Tensor]) -> Optional[list[Int4Groups]]:
+    """Each weight's int4 groups if they hold every weight without error (up to float32 rounding),
+    as for a checkpoint dequantized from Q4_1 blocks; else None (found at the first that does not)."""
+    exact = []
+    for weight in weights:
+        if weight.shape[1] % INT4_GROUP:
+            return None
+        groups = quantize_int4(weight.detach())
+        scales = groups.scales.repeat_interleave(INT4_GROUP, 1)
+        restored = groups.low.repeat_interleave(INT4_GROUP, 1) + groups.q * scales
+        if float(((restored - weight.detach().float()).abs() / scales).max()) >= 1e-3:
+            return None
+        exact.append(groups)
+    return exact
 
 
 class WeightOnlyLinear(nn.Module):
@@ -96,8 +106,11 @@ class Int4Linear(WeightOnlyLinear):
     # 1 row and still ahead at 8; at 16 rows the GEMM wins.
     max_rows = 12
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
-        q, scales, low = quantize_int4(weight)
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype,
+                 groups: Optional[Int4Groups] = None):
+        """groups: `weight`'s, when already quantized (`exact_int4_groups`)."""
+        q, scales, low = groups if groups is not None else quantize_int4(weight)
+        q = q.to(torch.int32)  # what the packing takes (and no uint8 wrap-around below)
         # The kernel computes (q - 8) * scale + zero, in the activations' dtype: rounded once, for both paths.
         scales_and_zeros = torch.stack([scales, low + 8 * scales], dim=-1).transpose(0, 1).to(dtype).contiguous()
         scales, zeros = (part.float().transpose(0, 1).repeat_interleave(INT4_GROUP, 1)

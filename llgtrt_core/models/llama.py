@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llgtrt_core.engine.kv_cache import KVCache
-from llgtrt_core.layers.quantized_linear import Int4Linear, Int8Linear, holds_int4_exactly
+from llgtrt_core.layers.quantized_linear import Int4Linear, Int8Linear, exact_int4_groups
 from llgtrt_core.kernels import int64_to_device
 from llgtrt_core.layers.layernorm import rms_norm
 from llgtrt_core.layers.ops import LayerOps, layer_ops
@@ -357,12 +357,17 @@ class LlamaForCausalLM(nn.Module):
                        for module, names in ((layer.self_attn, ("qkv_proj", "o_proj")),
                                              (layer.mlp, ("gate_up_proj", "down_proj")))
                        for name in names]
+        linears = [getattr(module, name) for module, name in projections]
+        # The check's int4 groups are the layers' own: quantized once (twice took ~1.2 s of a start).
+        exact = exact_int4_groups([linear.weight for linear in linears]) if weights == "auto" else None
         if weights == "auto":
-            exact = all(holds_int4_exactly(getattr(module, name).weight) for module, name in projections)
-            weights = "int4" if exact else "int8"
-        kind = Int4Linear if weights == "int4" else Int8Linear
-        for module, name in projections:
-            setattr(module, name, kind.of(getattr(module, name), dtype))
+            weights = "int4" if exact is not None else "int8"
+        for index, ((module, name), linear) in enumerate(zip(projections, linears)):
+            if weights == "int4":
+                groups = exact[index] if exact is not None else None
+                setattr(module, name, Int4Linear(linear.weight.detach(), linear.bias, dtype, groups))
+            else:
+                setattr(module, name, Int8Linear.of(linear, dtype))
         self.lm_head = Int8Linear.of(self.lm_head, dtype)
         self.to(dtype)
         self.reset_rope_tables()
