@@ -358,7 +358,7 @@ class LlamaForCausalLM(nn.Module):
                                              (layer.mlp, ("gate_up_proj", "down_proj")))
                        for name in names]
         linears = [getattr(module, name) for module, name in projections]
-        # The check's int4 groups are the layers' own: quantized once (twice took ~1.2 s of a start).
+        # The check's int4 groups are the layers' own: each weight is quantized once, not again to build.
         exact = exact_int4_groups([linear.weight for linear in linears]) if weights == "auto" else None
         if weights == "auto":
             weights = "int4" if exact is not None else "int8"
