@@ -184,3 +184,40 @@ def test_the_default_is_int4_and_its_constrained_answers_stay_valid(stored_model
         answer = json.loads(text)
         assert set(answer) == {"name", "age", "city"} and answer["city"] in ("Paris", "London", "Berlin")
         assert len(answer["name"]) <= 20 and 0 <= answer["age"] <= 120
+
+
+def test_auto_picks_int4_only_when_every_projection_holds_in_int4() -> None:
+    """`quantize_weights("auto")`: a model whose projections are int4 groups' values (as the default
+    model's, dequantized from Q4_1) gets int4, packed from those groups; one projection off the
+    grid makes it int8; random weights are int8."""
+    from llgtrt_core.layers.quantized_linear import quantize_int4
+    from llgtrt_core.models.llama import ModelConfig
+    from llgtrt_core.models.loader import random_model
+
+    config = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+                                  "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                                  "max_position_embeddings": 64, "tie_word_embeddings": False})
+
+    def model(on_grid: bool, off_grid_projection: bool = False) -> LlamaForCausalLM:
+        m = random_model(config, 64, torch.float32, torch.device("cpu"), seed=3)
+        if on_grid:
+            for layer in m.model.layers:
+                for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                               layer.mlp.down_proj):
+                    q, scales, low = quantize_int4(linear.weight.detach())
+                    linear.weight.data.copy_(low.repeat_interleave(32, 1) + q * scales.repeat_interleave(32, 1))
+        if off_grid_projection:
+            m.model.layers[1].mlp.down_proj.weight.data[0, 0] += 1e-3
+        return m
+
+    int4 = model(on_grid=True)
+    expected = quantize_int4(int4.model.layers[0].mlp.down_proj.weight.detach())
+    assert int4.quantize_weights("auto", torch.bfloat16) == "int4"
+    down = int4.model.layers[0].mlp.down_proj
+    assert isinstance(down, Int4Linear)
+    assert torch.equal(down.int4_weight, torch.ops.aten._convert_weight_to_int4pack_for_cpu(expected.q.int(), 1))
+    assert model(on_grid=True, off_grid_projection=True).quantize_weights("auto", torch.bfloat16) == "int8"
+    random = model(on_grid=False)
+    assert random.quantize_weights("auto", torch.bfloat16) == "int8"
+    assert isinstance(random.model.layers[0].mlp.down_proj, Int8Linear)
