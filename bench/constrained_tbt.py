@@ -46,9 +46,11 @@ from http_load import (  # noqa: E402
     StreamResult,
     add_server_arguments,
     default_processes,
+    engine_stats,
     machine,
     ms,
     new_client,
+    per_step,
     read_histogram,
     run_main,
     scrape_metrics,
@@ -163,6 +165,18 @@ def steady_time_per_chunk(wave: list[StreamResult]) -> list[float]:
     return means
 
 
+def wave_stats(plain: list[StreamResult], constrained: list[StreamResult]) -> dict[str, float]:
+    """One round's constrained / unconstrained time per output token and TTFT p50 difference: the
+    spread between rounds, which the pooled medians hide."""
+    def tpot(wave: list[StreamResult]) -> float:
+        return percentile([time_per_output_token(r) for r in wave if r.error is None and r.tokens > 1], 50)
+
+    def ttft(wave: list[StreamResult]) -> float:
+        return percentile([r.ttft for r in wave if r.error is None and r.ttft is not None], 50)
+
+    return {"tpot_ratio": tpot(constrained) / tpot(plain), "ttft_overhead_p50": ttft(constrained) - ttft(plain)}
+
+
 def stats(results: list[StreamResult], waves: list[list[StreamResult]]) -> dict[str, Any]:
     ok = [r for r in results if r.error is None]
     gaps = [g for r in ok for g in r.gaps]
@@ -184,14 +198,21 @@ async def measure_batch(client: httpx.AsyncClient, pool: ClientProcesses, url: s
     plain = [chat_body(model, s, max_tokens, constrained=False) for s in picked]
     constrained = [chat_body(model, s, max_tokens, constrained=True) for s in picked]
     waves: dict[bool, list[list[StreamResult]]] = {False: [], True: []}
+    engine: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     mask_before = await mask_fill(client, url)
     # Batch 1's TTFT overhead is the goal resolved there: more than a few samples of it.
     for round_index in range(rounds if batch > 1 else max(rounds, BATCH1_ROUNDS)):
         for is_constrained in ((False, True) if round_index % 2 == 0 else (True, False)):
+            before, started = await engine_stats(client, url), time.perf_counter()
             waves[is_constrained].append((await pool.run(url, constrained if is_constrained else plain))[0])
+            # perf_counter is the machine's monotonic clock: the window finds the wave in a step log.
+            window = {"started": started, "ended": time.perf_counter()}
+            engine[is_constrained].append({**per_step(before, await engine_stats(client, url)), **window})
     mask = (await mask_fill(client, url)).minus(mask_before)
     off, on = (stats([r for wave in waves[kind] for r in wave], waves[kind]) for kind in (False, True))
-    return {"batch": batch, "unconstrained": off, "constrained": on,
+    by_round = [wave_stats(plain_wave, constrained_wave) for plain_wave, constrained_wave in zip(waves[False], waves[True])]
+    return {"batch": batch, "unconstrained": off, "constrained": on, "rounds": by_round,
+            "engine_by_round": {"unconstrained": engine[False], "constrained": engine[True]},
             "tbt_ratio": on["tbt_p50"] / off["tbt_p50"], "tpot_ratio": on["tpot_p50"] / off["tpot_p50"],
             "steady_tpc_ratio": on["steady_tpc_p50"] / off["steady_tpc_p50"],
             "ttft_overhead_p50": on["ttft_p50"] - off["ttft_p50"],
@@ -265,9 +286,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     rows.append(await measure_batch(client, pool, url, model, batch, args.rounds, schemas,
                                                     args.max_tokens))
                     r = rows[-1]
+                    by_round = ", ".join(f"{w['tpot_ratio']:.3f}" for w in r["rounds"])
                     print(f"batch {batch}: {time.perf_counter() - started:.1f} s, TBT ratio {r['tbt_ratio']:.3f}, "
                           f"time per output token ratio {r['tpot_ratio']:.3f} (steady {r['steady_tpc_ratio']:.3f}), "
-                          f"TTFT overhead p50 {r['ttft_overhead_p50'] * 1e3:+.1f} ms", flush=True)
+                          f"TTFT overhead p50 {r['ttft_overhead_p50'] * 1e3:+.1f} ms; time per output token ratio "
+                          f"by round: {by_round}", flush=True)
             finally:
                 pool.close()
     print_table(rows)

@@ -200,6 +200,23 @@ async def engine_histograms(client: httpx.AsyncClient, url: str) -> dict[str, Hi
     return {name: read_histogram(text, name) for name in (ENGINE_TTFT, ENGINE_ITL)}
 
 
+async def engine_stats(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
+    """The engine's counters (/v1/engine/stats): steps run and each phase's totals of its step loop."""
+    return (await client.get(f"{url}/v1/engine/stats")).json()
+
+
+def per_step(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Each phase's wall and CPU ms per engine step between two `engine_stats`."""
+    steps = (after.get("num_steps") or 0) - (before.get("num_steps") or 0)
+    phases = {}
+    for name, total in after.get("step_phases", {}).items():
+        earlier = before.get("step_phases", {}).get(name, {"count": 0, "wall_s": 0.0, "cpu_s": 0.0})
+        phases[name] = {key: (total[key] - earlier[key]) * 1e3 / max(steps, 1) for key in ("wall_s", "cpu_s")}
+        phases[name]["per_step"] = (total["count"] - earlier["count"]) / max(steps, 1)
+    mixed = (after.get("num_mixed_steps") or 0) - (before.get("num_mixed_steps") or 0)
+    return {"steps": steps, "mixed_steps": mixed, "phases": phases}
+
+
 def engine_vs_client(before: dict[str, Histogram], after: dict[str, Histogram],
                      client: dict[str, Any]) -> dict[str, Any]:
     """The engine's TTFT and inter-token latency over the run, and what the client saw on top."""

@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlparse
@@ -39,8 +38,10 @@ from http_load import (  # noqa: E402
     ClientProcesses,
     add_server_arguments,
     default_processes,
+    engine_stats,
     machine,
     new_client,
+    per_step,
     run_main,
     served_model,
     server_url,
@@ -48,20 +49,6 @@ from http_load import (  # noqa: E402
 )
 
 THREAD_NAME = re.compile(r"thread \(\d+\): ([^;]*)")
-
-async def engine_stats(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
-    return (await client.get(f"{url}/v1/engine/stats")).json()
-
-
-def per_step(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """Each phase's wall and CPU ms per engine step over the window."""
-    steps = (after.get("num_steps") or 0) - (before.get("num_steps") or 0)
-    phases = {}
-    for name, total in after.get("step_phases", {}).items():
-        earlier = before.get("step_phases", {}).get(name, {"count": 0, "wall_s": 0.0, "cpu_s": 0.0})
-        phases[name] = {key: (total[key] - earlier[key]) * 1e3 / max(steps, 1) for key in ("wall_s", "cpu_s")}
-        phases[name]["per_step"] = (total["count"] - earlier["count"]) / max(steps, 1)
-    return {"steps": steps, "phases": phases}
 
 
 def server_pid(url: str) -> Optional[int]:

@@ -4,11 +4,13 @@ The engine marks the end of each phase of its step loop; the difference between 
 and CPU time is time the thread did not run: waiting for the GPU, for another thread (the mask
 fill), or for the GIL while another thread of the process held it. Two clock reads per mark
 (~1 us), so it stays on; /v1/engine/stats reports the totals and bench/step_profile.py the
-per-step means of a window.
+per-step means of a window. LLGTRT_STEP_LOG=<path> also writes one JSON line per step (what it
+ran and each phase's wall ms): the steps of one wave of requests, which means over a window hide.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -26,10 +28,12 @@ class StepPhases:
     """Totals per phase for one thread. `begin` starts a span, each `mark(phase)` ends the phase
     running since the last mark; a thread's spans never overlap."""
 
-    def __init__(self, trace: "StepTrace | None" = None) -> None:
+    def __init__(self, trace: "StepTrace | None" = None, log: "StepLog | None" = None) -> None:
         self.totals: dict[str, PhaseTotals] = {}
         self._wall = self._cpu = 0.0
         self.trace = trace
+        self.log = log
+        self._step: dict[str, float] = {}  # this step's phases, wall ms, when logging
 
     def begin(self) -> None:
         self._wall, self._cpu = time.perf_counter(), time.thread_time()
@@ -42,13 +46,36 @@ class StepPhases:
         totals.count += 1
         totals.wall_s += wall - self._wall
         totals.cpu_s += cpu - self._cpu
+        if self.log is not None:
+            self._step[phase] = self._step.get(phase, 0.0) + (wall - self._wall) * 1e3
         self._wall, self._cpu = wall, cpu
         if self.trace is not None:
             self.trace.phase_ended(phase)
 
+    def end_step(self, record: dict[str, object]) -> None:
+        """With a log: write `record` (what the step ran) with its phases' wall ms."""
+        if self.log is not None:
+            self.log.write({**record, "ended": time.perf_counter(), "ms": self._step})
+            self._step = {}
+
     def snapshot(self, prefix: str = "") -> dict[str, dict[str, float]]:
         return {prefix + name: {"count": t.count, "wall_s": t.wall_s, "cpu_s": t.cpu_s}
                 for name, t in self.totals.items()}
+
+
+class StepLog:
+    """Appends one JSON object per line to a file, a line at a time (the process may end any time)."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", buffering=1)
+
+    @classmethod
+    def from_env(cls) -> "StepLog | None":
+        path = os.environ.get("LLGTRT_STEP_LOG")
+        return cls(path) if path else None
+
+    def write(self, record: dict[str, object]) -> None:
+        self._file.write(json.dumps(record) + "\n")
 
 
 class StepTrace:

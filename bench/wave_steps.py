@@ -1,0 +1,76 @@
+"""The engine steps of each wave of a bench/constrained_tbt.py run, constrained against unconstrained.
+
+Start the server with LLGTRT_STEP_LOG=<path> (one JSON line per engine step, engine/step_profile.py),
+run bench/constrained_tbt.py --json <out>, then
+
+    python3 bench/wave_steps.py --steps <path> --result <out> [--batch 256]
+
+Each wave's window (its start and end by the machine's monotonic clock) picks its steps from the log.
+Per wave: steps, steps that prefilled prompts in a pass (prompt tokens, their wall time), prompts
+that rode a queued decode, the median decode-only step, when the last prompt joined, and each phase's
+wall ms summed over the wave: where a constrained wave spent the time an unconstrained one did not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def read_steps(path: Path) -> list[dict[str, Any]]:
+    with path.open() as lines:
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+def wave_summary(steps: list[dict[str, Any]], started: float, ended: float) -> dict[str, Any]:
+    mine = [s for s in steps if started <= s["ended"] <= ended]
+    prefill = [s for s in mine if s.get("prefill")]
+    decode_only = [sum(s["ms"].values()) for s in mine if not s.get("prefill") and not s.get("riders")]
+    joined = [s["ended"] for s in mine if s.get("admitted") or s.get("riders")]
+    phases: dict[str, float] = {}
+    for s in mine:
+        for name, ms in s["ms"].items():
+            phases[name] = phases.get(name, 0.0) + ms
+    return {"seconds": ended - started, "steps": len(mine), "prefill_steps": len(prefill),
+            "prefill_tokens": sum(s["prefill"] for s in prefill),
+            "prefill_ms": sum(sum(s["ms"].values()) for s in prefill),
+            "riders": sum(s.get("riders", 0) for s in mine),
+            "decode_step_ms_p50": statistics.median(decode_only) if decode_only else float("nan"),
+            "last_join_s": (max(joined) - started) if joined else float("nan"),
+            "phases_ms": phases}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=Path, required=True, help="the server's LLGTRT_STEP_LOG file")
+    parser.add_argument("--result", type=Path, required=True, help="bench/constrained_tbt.py --json output")
+    parser.add_argument("--batch", type=int, default=None, help="only this batch size")
+    args = parser.parse_args()
+    steps = read_steps(args.steps)
+    result = json.loads(args.result.read_text())
+    result = result.get("result", result)  # run_main's file wraps the benchmark's own
+    for row in result["rows"]:
+        if args.batch is not None and row["batch"] != args.batch:
+            continue
+        names: list[str] = []
+        lines = []
+        for kind in ("unconstrained", "constrained"):
+            for index, wave in enumerate(row["engine_by_round"][kind]):
+                summary = wave_summary(steps, wave["started"], wave["ended"])
+                names += [n for n in summary["phases_ms"] if n not in names]
+                lines.append((f"{kind[:5]} {index}", summary))
+        print(f"\nbatch {row['batch']}: per wave")
+        print("| wave | s | steps | prefill steps | prompt tokens | prefill ms | riders | decode step p50 ms | "
+              "last join s | " + " | ".join(f"{n} ms" for n in names) + " |")
+        print("| --- |" + " ---: |" * (8 + len(names)))
+        for label, s in lines:
+            print(f"| {label} | {s['seconds']:.2f} | {s['steps']} | {s['prefill_steps']} | {s['prefill_tokens']} | "
+                  f"{s['prefill_ms']:.0f} | {s['riders']} | {s['decode_step_ms_p50']:.2f} | {s['last_join_s']:.3f} | "
+                  + " | ".join(f"{s['phases_ms'].get(n, 0.0):.0f}" for n in names) + " |")
+
+
+if __name__ == "__main__":
+    main()
