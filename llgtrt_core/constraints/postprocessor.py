@@ -61,23 +61,25 @@ class MaskPostProcessor:
         if rows:
             self.apply(rows, logits, self.fill(rows), stream)
 
-    def fill(self, rows: Sequence[ConstrainedRow]) -> torch.Tensor:
-        """Commit each row's new token, then compute the masks: a host (len(rows), words)
-        int32 view of the shared buffer whose row j is rows[j]'s mask. Valid until the next
-        `fill`."""
+    def fill(self, rows: Sequence[ConstrainedRow], offset: int = 0) -> torch.Tensor:
+        """Commit each row's new token, then compute the masks: a host (offset + len(rows), words)
+        int32 view of the shared buffer whose row offset + j is rows[j]'s mask (the rows before
+        `offset` are an earlier fill's of the same step, kept). Valid until the next `fill` at
+        offset 0."""
         count = len(rows)
-        if self._copy_done is not None or count > self._capacity:
-            self._reserve(count)
+        if self._copy_done is not None or offset + count > self._capacity:
+            self._reserve(offset + count, keep=offset)
         start = time.perf_counter()
         self.phases.begin()
+        host = self._host_masks[offset:]
         if count == 1:  # no thread hand-off for a lone row
-            self._fill_one(rows[0])
+            self._fill_one(rows[0], host)
             self.phases.mark("one_row")
         elif count:
-            self._fill_batch(rows)
-        steer_loops(rows, self._host_masks, self._escapes)
+            self._fill_batch(rows, host)
+        steer_loops(rows, host, self._escapes)
         metrics.mask_fill_time.observe(time.perf_counter() - start)
-        return self._host_views[count]
+        return self._host_views[offset + count]
 
     def apply(
         self,
@@ -137,7 +139,7 @@ class MaskPostProcessor:
             grammar.loop_guard.observe_all(forced if token is None else [token, *forced])
         return forced
 
-    def _fill_one(self, row: ConstrainedRow) -> None:
+    def _fill_one(self, row: ConstrainedRow, host: torch.Tensor) -> None:
         """The batch path's steps inlined: this runs once per token of a lone request."""
         constraint: GrammarConstraint = row.constraint  # type: ignore[assignment]
         token = row.new_token
@@ -145,15 +147,16 @@ class MaskPostProcessor:
             matcher = constraint.matcher
             try:
                 if token is None or matcher.consume_token(token):
-                    matcher.unsafe_compute_mask_ptr(self._host_ptr, self._row_bytes)
+                    matcher.unsafe_compute_mask_ptr(host.data_ptr(), self._row_bytes)
                 else:
                     self._reject(constraint, token)
             except Exception as e:
                 constraint.fail(f"grammar step failed at token {token}: {e}")
-        self._settle(constraint, 0)
+        self._settle(constraint, host, 0)
 
-    def _fill_batch(self, rows: Sequence[ConstrainedRow]) -> None:
-        """Commit all new tokens, then all masks, each on the executor's rayon pool (no GIL)."""
+    def _fill_batch(self, rows: Sequence[ConstrainedRow], host: torch.Tensor) -> None:
+        """Commit all new tokens, then all masks (into `host`'s rows), each on the executor's rayon
+        pool (no GIL)."""
         constraints: list[GrammarConstraint] = [row.constraint for row in rows]  # type: ignore[misc]
         pending = [(j, row.new_token) for j, row in enumerate(rows)
                    if row.new_token is not None and constraints[j].error is None]
@@ -171,16 +174,16 @@ class MaskPostProcessor:
         live = [(c.matcher, j) for j, c in enumerate(constraints) if c.error is None]
         try:
             if live:
-                self.executor.unsafe_compute_mask_ptr(live, self._host_ptr, self._row_bytes, len(rows))
+                self.executor.unsafe_compute_mask_ptr(live, host.data_ptr(), self._row_bytes, len(rows))
         except Exception:  # one bad row must not cost the others their masks
             logger.exception("batched mask fill failed; filling row by row")
             for _, j in live:
-                self._compute_one(constraints[j], j)
+                self._compute_one(constraints[j], host, j)
         self.phases.mark("masks")
         for j, constraint in enumerate(constraints):  # _settle, inlined: once per row per step
             if constraint.error is None and not constraint.matcher.is_error():
                 continue
-            self._settle(constraint, j)
+            self._settle(constraint, host, j)
         self.phases.mark("settle")
 
     def _consume_one(self, constraint: GrammarConstraint, token: int) -> bool:
@@ -197,32 +200,34 @@ class MaskPostProcessor:
     def _reject(constraint: GrammarConstraint, token: int) -> None:
         constraint.fail(constraint.matcher.get_error() or f"token {token} rejected by the grammar")
 
-    def _compute_one(self, constraint: GrammarConstraint, j: int) -> None:
-        """Mask straight into the host buffer by pointer (llguidance drops the GIL)."""
+    def _compute_one(self, constraint: GrammarConstraint, host: torch.Tensor, j: int) -> None:
+        """Mask straight into host[j] by pointer (llguidance drops the GIL)."""
         try:
-            constraint.matcher.unsafe_compute_mask_ptr(self._host_ptr + j * self._row_bytes, self._row_bytes)
+            constraint.matcher.unsafe_compute_mask_ptr(host.data_ptr() + j * self._row_bytes, self._row_bytes)
         except Exception as e:
             constraint.fail(f"mask computation failed: {e}")
 
-    def _settle(self, constraint: GrammarConstraint, j: int) -> None:
+    def _settle(self, constraint: GrammarConstraint, host: torch.Tensor, j: int) -> None:
         """A matcher that failed (now or before: a limit hit mid-step) gets the EOS-only mask."""
         if constraint.error is None and constraint.matcher.is_error():
             constraint.fail(constraint.matcher.get_error())
         if constraint.error is not None:
-            self._host_masks[j] = self._eos_only
+            host[j] = self._eos_only
 
-    def _reserve(self, count: int) -> None:
+    def _reserve(self, count: int, keep: int) -> None:
+        """Room for `count` rows, the first `keep` kept (an earlier fill's of this step)."""
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the previous step's async copy still reads the buffer
             self._copy_done = None
         if count > self._capacity:
+            kept = self._host_masks[:keep]
             self._allocate_host(count)
+            self._host_masks[:keep] = kept
 
     def _allocate_host(self, capacity: int) -> None:
         self._capacity = capacity
         self._host_masks = allocate_token_bitmask(capacity, self.vocab_size)  # pinned when CUDA is present
         self._host_rows = torch.empty(capacity, dtype=torch.int64, pin_memory=self.pin_memory)
-        self._host_ptr = self._host_masks.data_ptr()
         self._row_bytes = self._host_masks.shape[1] * 4
         self._host_views = [self._host_masks[:count] for count in range(capacity + 1)]
 

@@ -114,8 +114,9 @@ class StagedPostProcessor(Protocol):
     masks while it samples). `__call__` stays fill, upload and mask in place, in one call.
     """
 
-    def fill(self, rows: Sequence[ConstrainedRow]) -> torch.Tensor:
-        """Host (len(rows), words) int32 masks, row j for rows[j]; valid until the next `fill`."""
+    def fill(self, rows: Sequence[ConstrainedRow], offset: int = 0) -> torch.Tensor:
+        """Host (offset + len(rows), words) int32 masks, row offset + j for rows[j], the rows before
+        `offset` an earlier fill's of the same step; valid until the next `fill` at offset 0."""
         ...
 
     def upload(self, rows: Sequence[ConstrainedRow], masks: torch.Tensor, device: torch.device,

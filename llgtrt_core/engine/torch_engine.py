@@ -62,7 +62,7 @@ from llgtrt_core.engine.model_runner import ModelRunner
 from llgtrt_core.engine.sampler import BatchSampler
 from llgtrt_core.engine.scheduler import Scheduler
 from llgtrt_core.engine.sequence import Sequence, StepPlan
-from llgtrt_core.engine.step_profile import StepPhases, StepTrace
+from llgtrt_core.engine.step_profile import StepLog, StepPhases, StepTrace
 from llgtrt_core.models.llama import LlamaForCausalLM
 from llgtrt_core.models.loader import load_config, load_model
 
@@ -181,7 +181,8 @@ class TorchEngine(Engine):
         self.constraints = ConstraintStage(post_processor, config.fast_forward, self.device)
         self.num_steps = 0  # forward steps run: what fast-forward saves
         self.trace = StepTrace.from_env()
-        self.phases = StepPhases(self.trace)  # the engine thread's step loop, phase by phase
+        self.phases = StepPhases(self.trace, StepLog.from_env())  # the engine thread's step loop, phase by phase
+        self._ran: dict[str, int] = {}  # what this step ran, for the step log
 
     # ---- caller side -----------------------------------------------------------------
 
@@ -324,6 +325,7 @@ class TorchEngine(Engine):
             self._record_state()
             self._deliver()
             self.phases.mark("deliver")
+            self.phases.end_step({"step": self.num_steps, **self._ran})
         for seq in [*scheduler.clear(), *scheduler.waiting]:
             seq.emit(TokenDelta(finish_reason="abort"))
         scheduler.waiting.clear()
@@ -366,10 +368,13 @@ class TorchEngine(Engine):
         if self.trace is not None:
             self.trace.at_step(self.num_steps)
         plan = self.scheduler.schedule(admit=not self._rides_ahead())
+        self._ran = {}
         if plan is None:  # a prompt in progress waits for blocks
             return
         self.cache.sync_table()
         running = self.scheduler.running  # the prompts prefilled to their end this step joined already
+        self._ran = {"decode": plan.num_decoding, "prefill": sum(chunk.num_tokens for chunk in plan.chunks),
+                     "admitted": sum(chunk.last for chunk in plan.chunks), "waiting": len(self.scheduler.waiting)}
         self.phases.mark("schedule")
         # The host half of the constraint work runs while the forward pass does (the fill drops
         # the GIL); nothing else commits to a matcher until its masks are taken.
@@ -393,6 +398,9 @@ class TorchEngine(Engine):
         fed = self.overlap_steps and self._queue_ahead(running, pending.tokens)
         sampled = pending.result()
         self.phases.mark("gpu_wait")
+        # The next step's fill commits the tokens now, while they are handed out and the next step
+        # is scheduled (its decode is queued already).
+        committed = fed and self.constraints.begin_ahead(running, sampled.token_ids)
         failed = fill.failed_rows()
         finished: list[int] = []
         for index, (seq, token, logprob) in enumerate(zip(running, sampled.token_ids, sampled.logprobs)):
@@ -400,7 +408,7 @@ class TorchEngine(Engine):
                 self._finish(seq, "error", error=f"mask fill failed: {fill.error()}")
                 reason: Optional[FinishReason] = "error"
             else:
-                reason = self._advance(index, seq, token, logprob, fed)
+                reason = self._advance(index, seq, token, logprob, fed, committed)
             if reason is not None:
                 finished.append(index)
         for index in reversed(finished):
@@ -431,6 +439,7 @@ class TorchEngine(Engine):
             return False
         else:
             chunks = []
+        self._ran.update(riders=len(chunks), ride_tokens=sum(chunk.num_tokens for chunk in chunks))
         self._ahead = self.runner.decode(rows, tokens, chunks)
         self._emit_prefilled(StepPlan(0, chunks))
         self.phases.mark("decode_ahead")
@@ -499,11 +508,12 @@ class TorchEngine(Engine):
             return None
         return [TokenLogprob(0.0, ((token, 0.0),) if seq.request.sampling.logprobs else ()) for token in forced]
 
-    def _advance(self, row: int, seq: Sequence, token: int, logprob: Optional[TokenLogprob], fed: bool
-                 ) -> Optional[FinishReason]:
+    def _advance(self, row: int, seq: Sequence, token: int, logprob: Optional[TokenLogprob], fed: bool,
+                 committed: bool) -> Optional[FinishReason]:
         """Hand the sampled token, and the tokens its grammar forces after it, to its request; return a
         finish reason when the sequence is done. A forced run stops short of max_tokens and the context.
-        fed: the token is being decoded already (queued ahead), so only the forced ones are pending."""
+        fed: the token is being decoded already (queued ahead), so only the forced ones are pending.
+        committed: the next step's fill, begun already, commits it to the grammar."""
         constraint = seq.request.constraint
         if constraint is not None and constraint.error is not None:
             self._finish(seq, "error", error=constraint.error)
@@ -532,7 +542,7 @@ class TorchEngine(Engine):
         seq.pending_tokens = forced if fed else tokens
         seq.length += fed
         self.sampler.record_forced(row, forced)
-        if constraint is not None and not seq.fast_forward:
+        if constraint is not None and not seq.fast_forward and not committed:
             seq.uncommitted_token = token
         return None
 
