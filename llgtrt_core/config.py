@@ -79,6 +79,10 @@ class RuntimeConfig:
                                                "(torch.compile, a C++ compiler needed) in the background at start, "
                                                "the eager step serving meanwhile; null: on with int8/int4 weights. Env "
                                                "LLGTRT_CPU_COMPILE (true/false).")
+    cpu_gemm_templates: bool = option(True, "PyTorch engine on cpu, compiled step: the weights frozen into its "
+                                            "graphs and inductor's C++ GEMM template for the quantized matmuls "
+                                            "where it times faster than the aten kernel (longer compile). Env "
+                                            "LLGTRT_CPU_GEMM_TEMPLATES (true/false).")
     prefill_chunk_tokens: Optional[int] = option(None, "PyTorch engine: prompt tokens prefilled per engine step; a "
                                                        "longer prompt is prefilled a chunk per step while running "
                                                        "sequences keep decoding. null or 0: whole prompts in one "
@@ -272,6 +276,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "LLGTRT_WEIGHTS": ("runtime", "weights"),
     "LLGTRT_CPU_THREADS": ("runtime", "cpu_threads"),
     "LLGTRT_CPU_COMPILE": ("runtime", "cpu_compile"),
+    "LLGTRT_CPU_GEMM_TEMPLATES": ("runtime", "cpu_gemm_templates"),
     "LLGTRT_PREFILL_CHUNK_TOKENS": ("runtime", "prefill_chunk_tokens"),
     "LLGTRT_TOOL_FORMAT": ("tokenizer", "tool_format"),
     "LLGTRT_API_KEY": ("server", "api_key"),

@@ -33,6 +33,12 @@ from llgtrt_core.models.llama import LayersDecode, LlamaForCausalLM, decode_laye
 logger = logging.getLogger(__name__)
 
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "online_softmax": False}
+# The weights as constants of the graphs (freezing), so that inductor may replace the packed
+# int4/int8 matmuls by its C++ GEMM template where that times faster (max_autotune, against the
+# aten kernel at each graph's warm-up rows): at one row the template's AVX-512 int4 microkernel
+# reads the weights faster (docs/benchmarks/cpu.md, session 10). Inductor reads `freezing` from
+# its global config, not from torch.compile's options: patched around the compile.
+GEMM_TEMPLATE_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
 def warm_up_shapes(max_batch: int, block_size: int, max_packed_rows: int) -> list[tuple[int, int]]:
@@ -45,12 +51,15 @@ def warm_up_shapes(max_batch: int, block_size: int, max_packed_rows: int) -> lis
 
 
 class CompiledDecode:
-    def __init__(self, model: LlamaForCausalLM, cache: KVCache, on_miss: str = "eager_on_recompile"):
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, on_miss: str = "eager_on_recompile",
+                 gemm_templates: bool = True):
         """cache: the engine's, for its geometry only (the warm-up runs on scratch tensors).
         on_miss: torch.compiler stance for a step no graph fits: run it eagerly, or (tests)
-        "fail_on_recompile" to raise."""
+        "fail_on_recompile" to raise. gemm_templates: GEMM_TEMPLATE_CONFIG (the weights frozen
+        into the graphs, inductor's GEMM template where it is faster)."""
         self.model = model
         self.on_miss = on_miss
+        self.gemm_templates = gemm_templates
         self.max_batch = cache.num_slots
         # Rows the graphs take without a compile: the one past batch 1 serves up to the quantized
         # layers' packed-kernel rows, the one past those (if max_batch reaches it) any count.
@@ -88,7 +97,8 @@ class CompiledDecode:
         return getattr(self.model.model.layers[0].mlp.down_proj, "max_rows", self.max_batch)
 
     def _compile(self) -> None:
-        import torch.fx.experimental._config as fx_config  # torch.compile's own imports: not at module import
+        import torch._inductor.config as inductor_config  # torch.compile's own imports: not at module import
+        import torch.fx.experimental._config as fx_config
 
         started = time.perf_counter()
         # Dynamo guards the thread count: the engine's, not whatever a new thread would pick up
@@ -101,7 +111,8 @@ class CompiledDecode:
                                            isolate_recompiles=True)
             # Without duck sizing: a warm-up size that happens to equal another (2 rows, 2 keys)
             # would otherwise tie the two in every graph.
-            with fx_config.patch(use_duck_shape=False):
+            with fx_config.patch(use_duck_shape=False), \
+                    inductor_config.patch(GEMM_TEMPLATE_CONFIG if self.gemm_templates else {}):
                 self._warm_up()
         except Exception:  # no C++ compiler, an unsupported op: the eager step goes on serving
             logger.exception("compiling the cpu decode step failed; it stays eager")

@@ -57,6 +57,7 @@ def create_engine(
         engine_config = TorchEngineConfig(max_batch_size=runtime.max_batch_size, max_model_len=runtime.max_model_len,
                                           device=runtime.device, dtype=runtime.dtype, weights=runtime.weights,
                                           cpu_threads=runtime.cpu_threads, cpu_compile=runtime.cpu_compile,
+                                          cpu_gemm_templates=runtime.cpu_gemm_templates,
                                           prefill_chunk_tokens=runtime.prefill_chunk_tokens,
                                           mixed_prefill=runtime.mixed_prefill,
                                           kv_cache_free_gpu_memory_fraction=runtime.kv_cache_free_gpu_mem_fraction,

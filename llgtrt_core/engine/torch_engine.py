@@ -80,6 +80,7 @@ class TorchEngineConfig:
     weights: Optional[str] = None
     cpu_threads: Optional[int] = None  # torch intra-op threads on cpu; default: all cores but one
     cpu_compile: Optional[bool] = None  # compiled decode layers on cpu (compiled_decode.py); default: with int8/int4
+    cpu_gemm_templates: bool = True  # the compiled step's weights frozen, inductor's GEMM template where faster
     cuda_graphs: bool = True  # decode under CUDA graphs (cuda only)
     fast_forward: bool = True  # feed the tokens a grammar forces in one forward pass, unsampled
     prefill_chunk_tokens: Optional[int] = None  # prompt tokens prefilled per step; None or 0: whole prompts
@@ -211,7 +212,7 @@ class TorchEngine(Engine):
                         time.perf_counter() - started)
         compiled_decode = None
         if self.config.resolve_cpu_compile(self.device):
-            compiled_decode = CompiledDecode(self.model, self.cache)
+            compiled_decode = CompiledDecode(self.model, self.cache, gemm_templates=self.config.cpu_gemm_templates)
             compiled_decode.start()  # the eager step serves until it is compiled
         self.runner = ModelRunner(self.model, self.cache, self.device, decode_graphs, self.config.mixed_prefill,
                                   compiled_decode)
