@@ -18,6 +18,9 @@ unconstrained; the same for the time per output token of each request (first to 
 its tokens after the first), which unlike TBT does not change when the grammar's forced tokens
 arrive several to a chunk; the TTFT overhead p50 (p50 constrained - p50 unconstrained); and the
 engine's mask-fill time per step from the server's /metrics (`llgtrt:grammar_mask_fill_seconds`).
+Each round's own time-per-token ratio is printed too (the spread), and the JSON keeps each wave's
+engine phases (/v1/engine/stats) and its window, which bench/wave_steps.py matches to the steps of
+a server started with LLGTRT_STEP_LOG.
 
     python bench/constrained_tbt.py --batch 1,8 --max-tokens 32                       # CPU
     python bench/constrained_tbt.py --bentoml-home /tmp/llama-home --model llama3-8b-random \
