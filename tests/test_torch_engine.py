@@ -541,3 +541,27 @@ def test_a_consumer_that_falls_behind_gets_its_backlog_in_one_delta(engine_facto
     assert len(lagging) < len(kept_up)
     assert any(len(tokens) > 1 for tokens in lagging)
     assert reasons[-1] == "length" and all(reason is None for reason in reasons[:-1])
+
+
+def test_step_log_writes_one_line_per_step(engine_factory, tokenizer, monkeypatch, tmp_path: Path) -> None:
+    """LLGTRT_STEP_LOG: each step's line says what it ran (the prompt's prefill, then one decode row
+    a step) and its phases' wall ms."""
+    log = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("LLGTRT_STEP_LOG", str(log))
+    prompt = chat_prompt(tokenizer, "Name a color.")
+
+    async def scenario():
+        engine = engine_factory(max_batch_size=1)
+        await engine.start()
+        try:
+            request = GenerationRequest("r", prompt, SamplingParams(max_tokens=4, temperature=0.0))
+            return await asyncio.wait_for(run(engine, request), timeout=120), engine.num_steps
+        finally:
+            await engine.shutdown()
+
+    (tokens, _), steps = asyncio.run(scenario())
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, steps + 1)) and len(tokens) == 4
+    assert (lines[0]["prefill"], lines[0]["admitted"], lines[0]["decode"]) == (len(prompt), 1, 0)
+    assert all(line["decode"] == 1 and line["prefill"] == 0 for line in lines[1:])
+    assert all(line["ms"]["forward"] > 0 for line in lines)

@@ -374,8 +374,9 @@ class TorchEngine(Engine):
             return
         self.cache.sync_table()
         running = self.scheduler.running  # the prompts prefilled to their end this step joined already
-        self._ran = {"decode": plan.num_decoding, "prefill": sum(chunk.num_tokens for chunk in plan.chunks),
-                     "admitted": sum(chunk.last for chunk in plan.chunks), "waiting": len(self.scheduler.waiting)}
+        if self.phases.log is not None:  # nothing to count on the hot path otherwise
+            self._ran = {"decode": plan.num_decoding, "prefill": sum(chunk.num_tokens for chunk in plan.chunks),
+                         "admitted": sum(chunk.last for chunk in plan.chunks), "waiting": len(self.scheduler.waiting)}
         self.phases.mark("schedule")
         # The host half of the constraint work runs while the forward pass does (the fill drops
         # the GIL); nothing else commits to a matcher until its masks are taken.
@@ -440,7 +441,8 @@ class TorchEngine(Engine):
             return False
         else:
             chunks = []
-        self._ran.update(riders=len(chunks), ride_tokens=sum(chunk.num_tokens for chunk in chunks))
+        if self.phases.log is not None:
+            self._ran.update(riders=len(chunks), ride_tokens=sum(chunk.num_tokens for chunk in chunks))
         self._ahead = self.runner.decode(rows, tokens, chunks)
         self._emit_prefilled(StepPlan(0, chunks))
         self.phases.mark("decode_ahead")
