@@ -32,6 +32,7 @@ from llgtrt_core.chat_template import ChatTemplate
 from llgtrt_core.config import TokenizerConfig, load_config
 from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
 from llgtrt_core.engine.factory import create_engine, engine_kind, resolve_api_workers
+from llgtrt_core.heap import freeze_loaded_objects
 from llgtrt_core.runtime import ModelRuntime
 from llgtrt_core.tokenizer import Tokenizer
 from llgtrt_core.reasoning import resolve_reasoning
@@ -123,6 +124,7 @@ class LLM:
             thinking = CONFIG.reasoning
             reasoning = resolve_reasoning(template, thinking.enabled, thinking.start, thinking.end,
                                           thinking.default_max_reasoning_tokens, thinking.max_reasoning_tokens_limit)
+            freeze_loaded_objects()  # before /readyz says yes: its collection pauses the event loop once
             self.runtime = ModelRuntime(model_name=name, tokenizer=tokenizer, engine=engine, tool_format=tool_format,
                                         grammars=grammars, limits=CONFIG.server, reasoning=reasoning)
             logger.info("serving %s (%s) with the %s engine", name, stored.tag, metadata.get("engine"))

@@ -31,6 +31,7 @@ from llgtrt_core.constraints.postprocessor import MaskPostProcessor
 from llgtrt_core.engine.core_protocol import CoreSpec, delta_row
 from llgtrt_core.engine.interface import EngineError, GenerationRequest, SamplingParams, TokenDelta
 from llgtrt_core.engine.torch_engine import TorchEngine
+from llgtrt_core.heap import freeze_loaded_objects
 from llgtrt_core.kernels import cuda_kernel_available
 from llgtrt_core.tokenizer import Tokenizer
 
@@ -92,6 +93,7 @@ class EngineCore:
             logger.exception("the engine could not start")
             self.owner.send(("failed", f"{type(e).__name__}: {e}"))
             return
+        freeze_loaded_objects()
         ready = ("ready", self.engine.vocab_size, self.engine.max_model_len)
         self.owner.send(ready)
         listener = self._listen(ready) if self.spec.listen_path else None
