@@ -1,8 +1,11 @@
-"""ConstraintStage with a fill begun ahead (overlapped steps): each row's token is committed once,
-and the masks reach the rows the sequences hold at the next step, after some left and others
-joined; a step without a fill begun ahead commits the tokens the engine left uncommitted."""
+"""ConstraintStage with a fill begun ahead (overlapped steps), before the draw reached the host:
+each row's token is committed once, and the masks reach the rows the sequences hold at the next
+step, after some left and others joined; a step without a fill begun ahead commits the tokens the
+engine left uncommitted."""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -39,7 +42,14 @@ def test_masks_begun_ahead_follow_their_sequences_to_their_new_rows() -> None:
         a, b, c = sequence("a", "ab+c"), sequence("b", "[0-9]x"), sequence("c", "(yes|no)!")
         running = [a, b, c]
         masks_by_row(stage, running)  # the first step: nothing sampled yet
-        assert stage.begin_ahead(running, [ord("a"), ord("7"), ord("n")])
+        drawn = threading.Event()  # the draw is still on the device when the fill is begun
+
+        def read_tokens() -> list[int]:
+            assert drawn.wait(10)
+            return [ord("a"), ord("7"), ord("n")]
+
+        assert stage.begin_ahead(running, read_tokens)
+        drawn.set()  # begin_ahead did not wait for it
         # Meanwhile `a` finished, `c` moved into its row and `d` joined without a token.
         d = sequence("d", "z+")
         running = [c, b, d]
@@ -66,7 +76,7 @@ def test_nothing_is_begun_ahead_while_a_row_fast_forwards() -> None:
     try:
         a = sequence("a", "ab+c")
         a.fast_forward = True  # its commits happen on the engine thread, with its forced tokens
-        assert not stage.begin_ahead([a], [ord("a")])
+        assert not stage.begin_ahead([a], lambda: [ord("a")])
         mask = masks_by_row(stage, [a])[0]  # "a" not committed: the start state's mask
         assert allowed_tokens(mask) == {ord("a")}
     finally:

@@ -6,12 +6,13 @@ GIL) while the forward pass runs; `masks` joins it and uploads the masks, which 
 applies as it draws. Fast-forward: `forced` commits a sampled token at once and returns the run of
 tokens the grammar forces after it, which the engine feeds without sampling.
 
-When the next step's decode is already queued (overlapped steps), `begin_ahead` starts the next
-step's fill as soon as this step's tokens are read, so that it runs while the host hands the
-tokens out and schedules, not after (at batch 256 the fill takes ~5 ms, a decode ~9 ms). The rows
-move meanwhile (finished ones leave, aborts, new prompts join), so the next `begin` matches the
-early masks to its rows by constraint, fills the rows that joined after them and `masks` drops
-those of rows that left.
+On CUDA (overlapped steps) `begin_ahead` starts the next step's fill as soon as a step's draw
+is queued: the fill's thread waits for the sampled tokens to reach the host, commits them and
+computes the masks while the engine thread queues the next decode, hands the tokens out and
+schedules (at batch 256 the fill takes ~5-8 ms, a decode ~9 ms, and started only once the host
+had read the tokens it was the step's critical path). The rows move meanwhile (finished ones
+leave, aborts, new prompts join), so the next `begin` matches the early masks to its rows by
+constraint, fills the rows that joined after them and `masks` drops those of rows that left.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional, Sequence as Seq
+from typing import Callable, Optional, Sequence as Seq
 
 import torch
 
@@ -75,17 +76,21 @@ class ConstraintStage:
         return self.forwarder.commit_with_forced(seq.request.constraint, token, limit,
                                                  seq.request.sampling.stop_token_ids)
 
-    def begin_ahead(self, running: Seq[Sequence], tokens: Seq[int]) -> bool:
-        """Start the next step's fill now, committing `tokens` (row i's sampled token; rows past them
-        joined without one); whether it started. Not when a row fast-forwards: its commits happen
-        on the engine thread as its tokens are handed out."""
+    def begin_ahead(self, running: Seq[Sequence], read_tokens: Callable[[], Seq[int]]) -> bool:
+        """Start the next step's fill on the fill's thread, which first calls `read_tokens()` (row i's
+        sampled token, waiting for the draw) and commits them; whether it started. Not when a row
+        fast-forwards: its commits happen on the engine thread as its tokens are handed out."""
         if self._pool is None or any(seq.fast_forward for seq in running):
             return False
-        rows = [ConstrainedRow(seq.request.constraint, index, tokens[index] if index < len(tokens) else None)
+        rows = [ConstrainedRow(seq.request.constraint, index, None)
                 for index, seq in enumerate(running) if seq.request.constraint is not None]
         if rows:
-            self._ahead = (rows, self._pool.submit(self.post_processor.fill, rows))
+            self._ahead = (rows, self._pool.submit(self._fill_ahead, rows, read_tokens))
         return True
+
+    def _fill_ahead(self, rows: list[ConstrainedRow], read_tokens: Callable[[], Seq[int]]) -> torch.Tensor:
+        tokens = read_tokens()
+        return self.post_processor.fill([ConstrainedRow(row.constraint, row.row, tokens[row.row]) for row in rows])
 
     def begin(self, running: Seq[Sequence]) -> StepFill:
         """Start this step's fill for the constrained running rows (their logits rows are their

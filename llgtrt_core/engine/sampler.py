@@ -150,13 +150,15 @@ class SampleOutput:
 
 class PendingSample:
     """A step's draw queued on the device. `tokens` can feed the next forward pass before the host
-    has read them; `result()` waits for the one device-to-host copy the draw started."""
+    has read them; `result()` waits for the one device-to-host copy the draw started (from any
+    thread: the mask fill's reads the tokens too)."""
 
     def __init__(self, tokens: torch.Tensor, readback: torch.Tensor,
                  parse: Callable[[list], SampleOutput]):
         self.tokens = tokens  # (n,) int64, on the logits' device
         self._parse = parse
         self._ready: Optional[torch.cuda.Event] = None
+        self._result: Optional[SampleOutput] = None
         if readback.is_cuda:
             self._host = torch.empty(readback.shape, dtype=readback.dtype, pin_memory=True)
             self._host.copy_(readback, non_blocking=True)
@@ -166,9 +168,11 @@ class PendingSample:
             self._host = readback
 
     def result(self) -> SampleOutput:
-        if self._ready is not None:
-            self._ready.synchronize()  # drops the GIL while it waits
-        return self._parse(self._host.tolist())
+        if self._result is None:  # two threads may both parse it: the same output
+            if self._ready is not None:
+                self._ready.synchronize()  # drops the GIL while it waits
+            self._result = self._parse(self._host.tolist())
+        return self._result
 
 
 class BatchSampler:

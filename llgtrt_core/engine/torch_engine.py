@@ -397,12 +397,12 @@ class TorchEngine(Engine):
                            if seq.request.sampling.dry is not None])
         pending = self.sampler.sample_async(logits, None, masks)
         self.phases.mark("sample")
+        # The next step's fill commits these tokens as soon as they reach the host, while the next
+        # decode is queued, the tokens handed out and the next step scheduled.
+        committed = self.overlap_steps and self.constraints.begin_ahead(running, lambda: pending.result().token_ids)
         fed = self.overlap_steps and self._queue_ahead(running, pending.tokens)
         sampled = pending.result()
         self.phases.mark("gpu_wait")
-        # The next step's fill commits the tokens now, while they are handed out and the next step
-        # is scheduled (its decode is queued already).
-        committed = fed and self.constraints.begin_ahead(running, sampled.token_ids)
         failed = fill.failed_rows()
         finished: list[int] = []
         for index, (seq, token, logprob) in enumerate(zip(running, sampled.token_ids, sampled.logprobs)):
