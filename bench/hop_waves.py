@@ -11,10 +11,14 @@ server process, with the process and when.
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from wave_steps import result_rows, wave_parser  # noqa: E402
 
 
 def read_hops(folder: Path) -> list[dict[str, Any]]:
@@ -68,17 +72,11 @@ def wave_lines(events: list[dict[str, Any]], started: float, ended: float) -> li
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = wave_parser(__doc__)
     parser.add_argument("--hops", type=Path, required=True, help="the HOP_DIR folder")
-    parser.add_argument("--result", type=Path, required=True, help="bench/constrained_tbt.py --json output")
-    parser.add_argument("--batch", type=int, default=None, help="only this batch size")
     args = parser.parse_args()
     events = read_hops(args.hops)
-    result = json.loads(args.result.read_text())
-    result = result.get("result", result)
-    for row in result["rows"]:
-        if args.batch is not None and row["batch"] != args.batch:
-            continue
+    for row in result_rows(args.result, args.batch):
         for kind in ("unconstrained", "constrained"):
             for index, window in enumerate(row["engine_by_round"][kind]):
                 print(f"batch {row['batch']}, {kind} wave {index}")

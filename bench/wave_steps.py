@@ -17,7 +17,7 @@ import argparse
 import json
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 
 def read_steps(path: Path) -> list[dict[str, Any]]:
@@ -43,18 +43,27 @@ def wave_summary(steps: list[dict[str, Any]], started: float, ended: float) -> d
             "phases_ms": phases}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=Path, required=True, help="the server's LLGTRT_STEP_LOG file")
+def result_rows(path: Path, batch: Optional[int]) -> list[dict[str, Any]]:
+    """The rows of a bench/constrained_tbt.py --json output, only `batch`'s when given."""
+    result = json.loads(path.read_text())
+    result = result.get("result", result)  # run_main's file wraps the benchmark's own
+    return [row for row in result["rows"] if batch is None or row["batch"] == batch]
+
+
+def wave_parser(description: str) -> argparse.ArgumentParser:
+    """The options of a per-wave report of a bench/constrained_tbt.py run (`result_rows`)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--result", type=Path, required=True, help="bench/constrained_tbt.py --json output")
     parser.add_argument("--batch", type=int, default=None, help="only this batch size")
+    return parser
+
+
+def main() -> None:
+    parser = wave_parser(__doc__)
+    parser.add_argument("--steps", type=Path, required=True, help="the server's LLGTRT_STEP_LOG file")
     args = parser.parse_args()
     steps = read_steps(args.steps)
-    result = json.loads(args.result.read_text())
-    result = result.get("result", result)  # run_main's file wraps the benchmark's own
-    for row in result["rows"]:
-        if args.batch is not None and row["batch"] != args.batch:
-            continue
+    for row in result_rows(args.result, args.batch):
         names: list[str] = []
         lines = []
         for kind in ("unconstrained", "constrained"):
