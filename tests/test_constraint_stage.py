@@ -81,3 +81,22 @@ def test_nothing_is_begun_ahead_while_a_row_fast_forwards() -> None:
         assert allowed_tokens(mask) == {ord("a")}
     finally:
         stage.shutdown()
+
+
+def test_a_failed_step_leaves_no_fill_begun_ahead_behind() -> None:
+    stage = ConstraintStage(MaskPostProcessor(BYTES, max_batch_size=2, num_threads=2), False, torch.device("cpu"))
+    stage.start()
+    try:
+        a = sequence("a", "ab+c")
+        masks_by_row(stage, [a])
+
+        def failed_draw() -> list[int]:
+            raise RuntimeError("the device failed")
+
+        assert stage.begin_ahead([a], failed_draw)
+        stage.discard_ahead()  # the engine's step failed: every running sequence ended with it
+        b = sequence("b", "[0-9]x")
+        mask = masks_by_row(stage, [b])[0]  # masks_by_row asserts the fill did not fail
+        assert allowed_tokens(mask) == {ord(d) for d in "0123456789"}
+    finally:
+        stage.shutdown()

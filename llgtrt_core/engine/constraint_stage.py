@@ -92,6 +92,13 @@ class ConstraintStage:
         tokens = read_tokens()
         return self.post_processor.fill([ConstrainedRow(row.constraint, row.row, tokens[row.row]) for row in rows])
 
+    def discard_ahead(self) -> None:
+        """After a failed step: drop the fill begun ahead, once it is done with the mask buffer, and
+        whatever it raised (reading a failed draw), which would otherwise fail the next step's rows."""
+        if self._ahead is not None:
+            (_, future), self._ahead = self._ahead, None
+            future.exception()
+
     def begin(self, running: Seq[Sequence]) -> StepFill:
         """Start this step's fill for the constrained running rows (their logits rows are their
         indices) that a fill begun ahead does not hold; nothing else may commit to their matchers

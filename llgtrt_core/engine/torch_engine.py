@@ -322,6 +322,7 @@ class TorchEngine(Engine):
                 for seq in scheduler.clear():
                     self._finish(seq, "error", error=f"engine step failed: {exc}")
                 self._ahead = None
+                self.constraints.discard_ahead()
                 self.cache.reset()
             self._record_state()
             self._deliver()
