@@ -1,4 +1,4 @@
-"""The model's forward passes alone on the CPU: a prefill and decode steps at batch 1 and 8, for
+"""The model's forward passes alone on the CPU: a prefill and decode steps at batch 1, 4 and 8, for
 each weight format (int8/int4+compiled: with the engine's compiled decode layers,
 engine/compiled_decode.py), rounds alternating between the formats (a shared machine slows them alike).
 --profile adds torch.profiler's table of the ops that took the time (matmuls vs the rest).
@@ -79,7 +79,8 @@ def passes(model, dtype: torch.dtype, compile_decode: bool, prompt_tokens: int, 
                                 layers_decode, torch.tensor([new - 1]))
 
     return {f"prefill {prompt_tokens}": lambda: model.extend(prompt, cache, slot=8 - 1),
-            f"prompt {new} after {cached}": short_prompt, "decode 1": lambda: decode(1), "decode 8": lambda: decode(8)}
+            f"prompt {new} after {cached}": short_prompt, "decode 1": lambda: decode(1), "decode 4": lambda: decode(4),
+            "decode 8": lambda: decode(8)}
 
 
 def timed_ms(run: Callable[[], torch.Tensor], repeats: int) -> float:

@@ -33,6 +33,7 @@ COMPILE_TIMEOUT_S = 900
 # 0.24 nats; a broken kernel is tens of nats off (test_quantized_weights).
 EAGER_TOLERANCE = 0.5
 MAX_BATCH = Int4Linear.max_rows + 1  # the batched graphs of both matmul paths
+TEMPLATE_ROWS = 8  # rows of the graph on inductor's int4 GEMM template (TEMPLATE_MIN_ROWS..Int4Linear.max_rows)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def test_compiled_step_matches_eager_and_float32(compiled, prompts, reference) -
     assert agreement >= MIN_GREEDY_AGREEMENT and worst <= EAGER_TOLERANCE, (agreement, worst)
 
 
-@pytest.mark.parametrize("batch", [3, MAX_BATCH])
+@pytest.mark.parametrize("batch", [3, TEMPLATE_ROWS, MAX_BATCH])
 def test_batched_rows_at_different_positions(compiled, prompts, batch: int) -> None:
     """Rows of different lengths in one decode: each row's top logprobs close to the eager step's."""
     model, compiled = compiled
@@ -102,7 +103,7 @@ def test_keys_within_one_block_run_compiled(compiled, batch: int) -> None:
     assert float((got.gather(-1, top) - eager.gather(-1, top)).abs().max()) <= EAGER_TOLERANCE
 
 
-@pytest.mark.parametrize("new_tokens", [4, MAX_BATCH])
+@pytest.mark.parametrize("new_tokens", [4, TEMPLATE_ROWS, MAX_BATCH])
 def test_prompt_tokens_ride_the_compiled_step(compiled, prompts, new_tokens: int) -> None:
     """A prompt's next tokens as rows of the compiled step, each at its own position of the same
     cache row (how the engine prefills a short chunk, model_runner.py): the last token's logprobs

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -42,13 +42,40 @@ INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "online_softmax": False}
 GEMM_TEMPLATE_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
-def warm_up_shapes(max_batch: int, block_size: int, max_packed_rows: int) -> list[tuple[int, int]]:
-    """(batch, key_len) pairs that together compile every graph a decode step can need: dynamo
-    specializes size 1 (batch 1, keys within one block) and the quantized layers branch on the
-    rows (`max_packed_rows`: WeightOnlyLinear.max_rows)."""
-    batches = sorted({n for n in (1, 2, max_packed_rows + 1) if n <= max_batch}, reverse=True)
+# From this many rows the int4 GEMM template (its AMX microkernel, as autotuned at a graph's
+# warm-up rows) reads the weights faster than the aten kernel, which makes a pass over them per 4
+# rows: 30 layers' projections streamed, 1 thread, ~17 ms flat from 2 to 12 rows against aten's
+# 11.5 / 15 / 27 / 38 ms at 2 / 4 / 8 / 12 (docs/benchmarks/cpu.md, session 11). Those rows get a
+# graph of their own, warmed up at its most rows, so that autotuning keeps the template there and
+# the aten kernel below.
+TEMPLATE_MIN_ROWS = 5
+
+
+class WarmUp(NamedTuple):
+    """One graph's warm-up: `rows` rows over `key_len` keys, the graph covering low..high rows
+    (high None: no bound)."""
+    rows: int
+    key_len: int
+    low: int
+    high: Optional[int]
+
+
+def warm_up_shapes(max_rows: int, block_size: int, max_packed_rows: int, template_rows: bool) -> list[WarmUp]:
+    """The warm-ups that together compile every graph a decode step can need: dynamo specializes
+    size 1 (batch 1, keys within one block), the quantized layers branch on the rows
+    (`max_packed_rows`: WeightOnlyLinear.max_rows) and, with `template_rows`, the packed rows from
+    TEMPLATE_MIN_ROWS on are a range of their own. A step of those rows within one block (a
+    prompt of <= 16 tokens prefilled in one pass) runs eagerly: not worth a graph's compile."""
+    split = template_rows and 1 < TEMPLATE_MIN_ROWS <= max_packed_rows
+    ranges = [(1, 1), *([(2, TEMPLATE_MIN_ROWS - 1), (TEMPLATE_MIN_ROWS, max_packed_rows)] if split
+                        else [(2, max_packed_rows)]), (max_packed_rows + 1, None)]
+    shapes = []
     # Dynamo tries the newest graph first: batch 1 over several blocks, the commonest, goes last.
-    return [(n, key_len) for n in batches for key_len in (2, 2 * block_size + 1)]
+    for low, high in reversed([(low, high) for low, high in ranges if low <= max_rows]):
+        rows = high if split and low == TEMPLATE_MIN_ROWS else low  # autotuned where the template wins
+        one_block = () if split and low == TEMPLATE_MIN_ROWS else (2,)
+        shapes += [WarmUp(rows, key_len, low, high) for key_len in (*one_block, 2 * block_size + 1)]
+    return shapes
 
 
 class CompiledDecode:
@@ -130,12 +157,13 @@ class CompiledDecode:
         model = self.model
         dtype = model.model.norm.weight.dtype
         kv_heads, head_dim = model.config.num_kv_heads, model.config.head_dim
-        shapes = warm_up_shapes(self.max_batch, self.block_size, self._max_packed_rows())
-        blocks_per_row = -(-max(key_len for _, key_len in shapes) // self.block_size)
+        shapes = warm_up_shapes(self.max_rows, self.block_size, self._max_packed_rows(), self.gemm_templates)
+        blocks_per_row = -(-max(shape.key_len for shape in shapes) // self.block_size)
         shape = (blocks_per_row * self.max_batch + 1, kv_heads, self.block_size, head_dim)
         keys = [torch.zeros(shape, dtype=dtype) for _ in model.model.layers]
         values = [torch.zeros(shape, dtype=dtype) for _ in model.model.layers]
-        table = torch.zeros(self.max_batch + 1, self.table_width, dtype=torch.long)  # as the cache's: a prefill row
+        # As the cache's (a prefill row past the slots), or the runner's riding rows, whichever is longer.
+        table = torch.zeros(max(self.max_batch + 1, self.max_rows), self.table_width, dtype=torch.long)
         table[: self.max_batch, :blocks_per_row] = torch.arange(1, shape[0]).view(self.max_batch, -1)
         # Only the batch, the key length and the cache's block count vary: the model's own sizes
         # stay constants of the graph (vectorized loops, guards that are cheap to check).
@@ -144,11 +172,14 @@ class CompiledDecode:
             for dim in dims:
                 torch._dynamo.mark_static(tensor, dim)
         with torch.inference_mode():
-            for n, key_len in shapes:
+            for n, key_len, low, high in shapes:
                 block_table = table[:n]
                 positions = torch.full((n,), key_len - 1, dtype=torch.long)
                 x = torch.zeros(n, model.config.hidden_size, dtype=dtype)
                 for tensor in (x, block_table):
                     torch._dynamo.mark_static(tensor, 1)
+                if n > 1 and high is not None:  # the graph's rows a range of their own (the last one's: the branch's)
+                    for tensor in (x, block_table, positions):
+                        torch._dynamo.mark_dynamic(tensor, 0, min=low, max=high)
                 self._compiled(model.model.layers, x, TORCH_OPS, model.rope_cos, model.rope_sin, keys, values,
                                block_table, positions, key_len)
