@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import json
 import multiprocessing
 import os
@@ -49,6 +48,7 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from llgtrt_core.heap import freeze_loaded_objects  # noqa: E402
 from measure import machine, percentile  # noqa: E402  (bench/ is the script's folder)
 from tests.bento_server import bentoml_serve  # noqa: E402
 
@@ -315,10 +315,9 @@ async def run_streams(job: StreamJob) -> list[StreamResult]:
 
 
 def run_stream_job(job: StreamJob) -> list[StreamResult]:
-    # Out of the collector's reach before the start: a full collection of this process's ~0.3 M
-    # objects paused every stream it reads for up to 110 ms (engine.md, session 11).
-    gc.collect()
-    gc.freeze()
+    # Before the start, as the server does: a full collection of this process's ~0.3 M objects
+    # paused every stream it reads for up to 110 ms (engine.md, session 11).
+    freeze_loaded_objects()
     return asyncio.run(run_streams(job))
 
 
