@@ -72,9 +72,9 @@ def warm_up_shapes(max_rows: int, block_size: int, max_packed_rows: int, templat
     shapes = []
     # Dynamo tries the newest graph first: batch 1 over several blocks, the commonest, goes last.
     for low, high in reversed([(low, high) for low, high in ranges if low <= max_rows]):
-        rows = high if split and low == TEMPLATE_MIN_ROWS else low  # autotuned where the template wins
-        one_block = () if split and low == TEMPLATE_MIN_ROWS else (2,)
-        shapes += [WarmUp(rows, key_len, low, high) for key_len in (*one_block, 2 * block_size + 1)]
+        on_template = split and low == TEMPLATE_MIN_ROWS  # autotuned at its most rows, where the template wins
+        key_lens = (2 * block_size + 1,) if on_template else (2, 2 * block_size + 1)
+        shapes += [WarmUp(high if on_template else low, key_len, low, high) for key_len in key_lens]
     return shapes
 
 
