@@ -18,7 +18,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from wave_steps import result_rows, wave_parser  # noqa: E402
+from wave_steps import result_rows, wave_parser, waves  # noqa: E402
 
 
 def read_hops(folder: Path) -> list[dict[str, Any]]:
@@ -77,10 +77,9 @@ def main() -> None:
     args = parser.parse_args()
     events = read_hops(args.hops)
     for row in result_rows(args.result, args.batch):
-        for kind in ("unconstrained", "constrained"):
-            for index, window in enumerate(row["engine_by_round"][kind]):
-                print(f"batch {row['batch']}, {kind} wave {index}")
-                print("\n".join(wave_lines(events, window["started"], window["ended"])))
+        for kind, index, window in waves(row):
+            print(f"batch {row['batch']}, {kind} wave {index}")
+            print("\n".join(wave_lines(events, window["started"], window["ended"])))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import argparse
 import json
 import statistics
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 
 def read_steps(path: Path) -> list[dict[str, Any]]:
@@ -50,6 +50,13 @@ def result_rows(path: Path, batch: Optional[int]) -> list[dict[str, Any]]:
     return [row for row in result["rows"] if batch is None or row["batch"] == batch]
 
 
+def waves(row: dict[str, Any]) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """(kind, index, window) of each wave of a result row, unconstrained ones first."""
+    for kind in ("unconstrained", "constrained"):
+        for index, window in enumerate(row["engine_by_round"][kind]):
+            yield kind, index, window
+
+
 def wave_parser(description: str) -> argparse.ArgumentParser:
     """The options of a per-wave report of a bench/constrained_tbt.py run (`result_rows`)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,11 +73,10 @@ def main() -> None:
     for row in result_rows(args.result, args.batch):
         names: list[str] = []
         lines = []
-        for kind in ("unconstrained", "constrained"):
-            for index, wave in enumerate(row["engine_by_round"][kind]):
-                summary = wave_summary(steps, wave["started"], wave["ended"])
-                names += [n for n in summary["phases_ms"] if n not in names]
-                lines.append((f"{kind[:5]} {index}", summary))
+        for kind, index, wave in waves(row):
+            summary = wave_summary(steps, wave["started"], wave["ended"])
+            names += [n for n in summary["phases_ms"] if n not in names]
+            lines.append((f"{kind[:5]} {index}", summary))
         print(f"\nbatch {row['batch']}: per wave")
         print("| wave | s | steps | prefill steps | prompt tokens | prefill ms | riders | decode step p50 ms | "
               "last join s | " + " | ".join(f"{n} ms" for n in names) + " |")
