@@ -164,6 +164,20 @@ def _samples(server: BentoServer) -> dict[str, float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def _settled_samples(server: BentoServer, timeout: float = 10.0) -> dict[str, float]:
+    """The samples once our own have stopped moving: an earlier test's last request may still be
+    folded into the deferred histograms (every half second) after it returned."""
+    deadline = time.monotonic() + timeout
+    previous = _samples(server)
+    while True:
+        time.sleep(0.6)
+        now = _samples(server)
+        ours = [name for name in now if name.startswith("llgtrt:")]
+        if all(now[name] == previous.get(name) for name in ours) or time.monotonic() > deadline:
+            return now
+        previous = now
+
+
 def _samples_once_grown(server: BentoServer, before: dict[str, float], growth: dict[str, float],
                         timeout: float = 5.0) -> dict[str, float]:
     """The samples once each name in `growth` has grown by at least that much past `before`, or at
@@ -179,7 +193,7 @@ def _samples_once_grown(server: BentoServer, before: dict[str, float], growth: d
 
 
 def test_metrics_count_requests_tokens_and_latencies(prod: BentoServer) -> None:
-    before = _samples(prod)
+    before = _settled_samples(prod)
     constrained = completion("A JSON object:", max_tokens=12,
                              response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {
                                  "type": "object", "properties": {"x": {"type": "integer"}}}}})
