@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.1
 _BUSY_TIMEOUT_S = 10.0  # another worker's write lasts well under a millisecond
+_WAL_SWITCH_RETRY_S = 0.002
 _FILE_STEM = "responses"
 # The rowid orders the rows by their last store: INSERT OR REPLACE gives the row a new, largest one.
 _SCHEMA = """
@@ -146,11 +147,25 @@ class SharedResponseStore:
                 remove_stale_server_files(_FILE_STEM)  # left by servers that crashed
                 path = server_file_path(_FILE_STEM, ".sqlite3")
             db = sqlite3.connect(path, timeout=_BUSY_TIMEOUT_S, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
+            _switch_to_wal(db)
             db.execute("PRAGMA synchronous=OFF")  # the file dies with the server: no fsync needed
             db.executescript(_SCHEMA)
             self._db = db
         return self._db
+
+
+def _switch_to_wal(db: sqlite3.Connection) -> None:
+    """SQLite takes the lock for this switch without the busy timeout: while another worker's first
+    connection switches the new file, it answers "database is locked" at once. Wait for that one."""
+    deadline = time.monotonic() + _BUSY_TIMEOUT_S
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(_WAL_SWITCH_RETRY_S)
 
 
 def _dump(entry: StoredResponse) -> bytes:
