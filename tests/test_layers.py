@@ -19,7 +19,7 @@ from importlib.util import find_spec
 import pytest
 import torch
 
-from llgtrt_core.layers import activation, attention, layernorm, rotary
+from llgtrt_core.layers import activation, attention, layernorm, linear, rotary
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRETED:
@@ -35,9 +35,9 @@ kernels = pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(), 
 
 
 def triton_ops():
-    from llgtrt_core.layers import activation_triton, attention_triton, layernorm_triton, rotary_triton
+    from llgtrt_core.layers import activation_triton, attention_triton, layernorm_triton, linear_triton, rotary_triton
 
-    return activation_triton, attention_triton, layernorm_triton, rotary_triton
+    return activation_triton, attention_triton, layernorm_triton, rotary_triton, linear_triton
 
 
 def poison_allocator() -> None:
@@ -170,6 +170,31 @@ def test_decode_attention(dtype: torch.dtype, batch: int, head_dim: int, group: 
     got = triton_ops()[1].decode_attention(q, poisoned_keys, poisoned_values, table, positions, length)
     assert not got.isnan().any()
     assert_matches(got, expected)
+
+
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("out_features, in_features", [(93, 100), (6, 256), (200, 100)] if DEVICE == "cpu" else
+                         [(93, 100), (4096, 4096), (4096, 14336), (6144, 4096)])  # ragged blocks, even ones, wide
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear(dtype: torch.dtype, rows: int, out_features: int, in_features: int, bias: bool) -> None:
+    generator = torch.Generator(DEVICE).manual_seed(out_features * in_features + rows)
+    module = torch.nn.Linear(in_features, out_features, bias=bias, device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(out_features, in_features, generator=generator, device=DEVICE) / 32)
+        if bias:
+            module.bias.copy_(torch.randn(out_features, generator=generator, device=DEVICE))
+    x = torch.randn(rows, in_features, generator=generator, device=DEVICE, dtype=dtype)
+    linear_triton = triton_ops()[4]
+    # More rows or outputs than inputs: the module's own matmul.
+    assert linear_triton.runs_as_gemv(module, x) == (rows == 1 and out_features <= in_features)
+    poison_allocator()
+    got = linear_triton.linear(module, x)
+    assert not got.isnan().any()
+    assert_matches(got, linear.linear(module, x))
+    if rows == 1:  # a vector too (the lm_head of one position is projected as one)
+        assert_matches(linear_triton.linear(module, x[0]), linear.linear(module, x[0]))
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available() or find_spec("triton") is None,

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from llgtrt_core.layers import activation, attention, layernorm, rotary
+from llgtrt_core.layers import activation, attention, layernorm, linear, rotary
 
 
 @dataclass(frozen=True)
@@ -18,18 +18,20 @@ class LayerOps:
     silu_mul: Callable  # activation.silu_mul
     rope_write_kv: Callable  # rotary.rope_write_kv
     decode_attention: Callable  # attention.decode_attention
+    linear: Callable  # linear.linear
 
 
-TORCH_OPS = LayerOps(layernorm.add_rms_norm, activation.silu_mul, rotary.rope_write_kv, attention.decode_attention)
+TORCH_OPS = LayerOps(layernorm.add_rms_norm, activation.silu_mul, rotary.rope_write_kv, attention.decode_attention,
+                     linear.linear)
 
 
 def _triton_ops() -> Optional[LayerOps]:
     if find_spec("triton") is None:
         return None
-    from llgtrt_core.layers import activation_triton, attention_triton, layernorm_triton, rotary_triton
+    from llgtrt_core.layers import activation_triton, attention_triton, layernorm_triton, linear_triton, rotary_triton
 
     return LayerOps(layernorm_triton.add_rms_norm, activation_triton.silu_mul, rotary_triton.rope_write_kv,
-                    attention_triton.decode_attention)
+                    attention_triton.decode_attention, linear_triton.linear)
 
 
 TRITON_OPS = _triton_ops()

@@ -1,6 +1,6 @@
 """Llama-family decoder (SmolLM2, Llama 3.x, Qwen2/2.5/3, Mistral shapes): PyTorch modules for the
-weights and matmuls; the ops between them (residual add + RMSNorm, RoPE + KV write, SiLU x up,
-decode attention) come from `llgtrt_core.layers`, as Triton kernels on CUDA, plain torch elsewhere.
+weights; the ops (projections, residual add + RMSNorm, RoPE + KV write, SiLU x up, decode
+attention) come from `llgtrt_core.layers`, as Triton kernels on CUDA, plain torch elsewhere.
 
 Parameter names follow Hugging Face checkpoints, except that q/k/v and gate/up projections are
 packed into one matrix each (`checkpoint_tensors` maps the checkpoint's names onto them). The
@@ -205,21 +205,21 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def extend(self, x: torch.Tensor, new: NewTokens, cache: KVCache) -> torch.Tensor:
+    def extend(self, x: torch.Tensor, ops: LayerOps, new: NewTokens, cache: KVCache) -> torch.Tensor:
         """New tokens of one or more sequences, concatenated (see `NewTokens`); x: (1, total, hidden)."""
-        return self.o_proj(self._attend_new(self.qkv_proj(x[0]), new, cache)).unsqueeze(0)
+        return ops.linear(self.o_proj, self._attend_new(ops.linear(self.qkv_proj, x[0]), new, cache)).unsqueeze(0)
 
     def mixed(self, x: torch.Tensor, num_decoding: int, ops: LayerOps, cos_table: torch.Tensor,
               sin_table: torch.Tensor, cache: KVCache, block_table: torch.Tensor, positions: torch.Tensor,
               key_len: int, new: NewTokens) -> torch.Tensor:
         """`decode` for the first `num_decoding` rows of x, `extend` for the rest, with one projection
         over all of them: x: (num_decoding + total, hidden)."""
-        qkv = self.qkv_proj(x)
+        qkv = ops.linear(self.qkv_proj, x)
         keys, values = cache.keys[self.layer_index], cache.values[self.layer_index]
         qk_norm = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q = ops.rope_write_kv(qkv[:num_decoding], positions, cos_table, sin_table, keys, values, block_table, *qk_norm)
         decoded = ops.decode_attention(q, keys, values, block_table, positions, key_len)
-        return self.o_proj(torch.cat([decoded, self._attend_new(qkv[num_decoding:], new, cache)]))
+        return ops.linear(self.o_proj, torch.cat([decoded, self._attend_new(qkv[num_decoding:], new, cache)]))
 
     def _attend_new(self, qkv: torch.Tensor, new: NewTokens, cache: KVCache) -> torch.Tensor:
         """Attention of new tokens, qkv: (total, q+k+v): each segment's tokens attend to its row's
@@ -255,8 +255,9 @@ class Attention(nn.Module):
         """One new token per row; x: (n, hidden), row i's token sits at positions[i] of the sequence
         whose blocks block_table[i] lists; keys, values: this layer's cache."""
         qk_norm = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        q = ops.rope_write_kv(self.qkv_proj(x), positions, cos_table, sin_table, keys, values, block_table, *qk_norm)
-        return self.o_proj(ops.decode_attention(q, keys, values, block_table, positions, key_len))
+        q = ops.rope_write_kv(ops.linear(self.qkv_proj, x), positions, cos_table, sin_table, keys, values, block_table,
+                              *qk_norm)
+        return ops.linear(self.o_proj, ops.decode_attention(q, keys, values, block_table, positions, key_len))
 
 
 class MLP(nn.Module):
@@ -267,7 +268,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return ops.linear(self.down_proj, ops.silu_mul(ops.linear(self.gate_up_proj, x)))
 
 
 class DecoderLayer(nn.Module):
@@ -381,7 +382,7 @@ class LlamaForCausalLM(nn.Module):
         docs/benchmarks/cpu.md). The compiled layers keep the caller's count: their graphs are
         specific to it."""
         with torch_threads(self.head_threads):
-            return self.lm_head(hidden).float()
+            return layer_ops(hidden.device, self.fused_ops).linear(self.lm_head, hidden).float()
 
     def reset_rope_tables(self) -> None:
         """Recompute the float32 cos/sin tables on the model's device (after to_empty or a dtype cast)."""
@@ -416,7 +417,7 @@ class LlamaForCausalLM(nn.Module):
         new = self._new_tokens(cache, segments, token_ids.device)
         ops = layer_ops(token_ids.device, self.fused_ops)
         hidden = self._run(self.model.embed_tokens(token_ids.unsqueeze(0)), ops, lambda layer, x, residual: layer(
-            x, residual, ops, lambda attn, h: attn.extend(h, new, cache)))
+            x, residual, ops, lambda attn, h: attn.extend(h, ops, new, cache)))
         return hidden[0]
 
     @torch.inference_mode()
