@@ -39,7 +39,7 @@ def _gemv_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, N, K, HAS_BIAS: tl.conste
 def runs_as_gemv(module: nn.Module, x: torch.Tensor) -> bool:
     """One row of x against a dense nn.Linear weight of its dtype, no wider than it is long."""
     weight = module.weight if isinstance(module, nn.Linear) else None
-    return (weight is not None and weight.shape[0] <= weight.shape[1] and x.numel() == x.shape[-1]
+    return (weight is not None and weight.shape[0] <= weight.shape[1] == x.shape[-1] == x.numel()
             and weight.dtype == x.dtype and weight.is_contiguous() and x.is_contiguous())
 
 
