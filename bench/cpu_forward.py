@@ -48,7 +48,7 @@ def passes(model, dtype: torch.dtype, compile_decode: bool, prompt_tokens: int, 
     layers_decode, stance = None, contextlib.nullcontext
     if compile_decode:
         started = time.perf_counter()
-        compiled = CompiledDecode(model, cache)
+        compiled = CompiledDecode(model, cache, prompt_threads=model.head_threads)  # the engine gives both every core
         compiled.start()
         if not compiled.wait(COMPILE_TIMEOUT_S):
             raise SystemExit("compiling the decode layers failed or timed out")
@@ -74,7 +74,7 @@ def passes(model, dtype: torch.dtype, compile_decode: bool, prompt_tokens: int, 
         if layers_decode is None:
             return model.extend(prompt[:new], cache, slot=8 - 1, start=cached)
         torch.index_select(cache.block_table, 0, torch.full((new,), 8 - 1), out=ride_table)
-        with stance():
+        with compiled.prompt_stance(new, cached + new):
             return model.decode(prompt[:new], torch.arange(cached, cached + new), cached + new, cache, ride_table,
                                 layers_decode, torch.tensor([new - 1]))
 

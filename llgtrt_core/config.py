@@ -84,6 +84,11 @@ class RuntimeConfig:
                                             "where it times faster than the aten kernel (1 row, and 5-12 rows in "
                                             "a graph of their own; longer compile). Env "
                                             "LLGTRT_CPU_GEMM_TEMPLATES (true/false).")
+    cpu_prompt_threads: Optional[int] = option(None, "PyTorch engine on cpu, compiled step with GEMM templates: "
+                                                     "torch threads of a step that only prefills 5-12 tokens (one "
+                                                     "client waits for its first token), in a graph of their own, "
+                                                     "taken only while the cores are idle; null: every core; 0: off. "
+                                                     "Env LLGTRT_CPU_PROMPT_THREADS.")
     prefill_chunk_tokens: Optional[int] = option(None, "PyTorch engine: prompt tokens prefilled per engine step; a "
                                                        "longer prompt is prefilled a chunk per step while running "
                                                        "sequences keep decoding. null or 0: whole prompts in one "
@@ -278,6 +283,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "LLGTRT_CPU_THREADS": ("runtime", "cpu_threads"),
     "LLGTRT_CPU_COMPILE": ("runtime", "cpu_compile"),
     "LLGTRT_CPU_GEMM_TEMPLATES": ("runtime", "cpu_gemm_templates"),
+    "LLGTRT_CPU_PROMPT_THREADS": ("runtime", "cpu_prompt_threads"),
     "LLGTRT_PREFILL_CHUNK_TOKENS": ("runtime", "prefill_chunk_tokens"),
     "LLGTRT_TOOL_FORMAT": ("tokenizer", "tool_format"),
     "LLGTRT_API_KEY": ("server", "api_key"),

@@ -20,6 +20,7 @@ from llgtrt_core.engine.interface import GenerationRequest, SamplingParams
 from llgtrt_core.engine.kv_cache import KVCache
 from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig
 from llgtrt_core.layers.quantized_linear import Int4Linear
+from llgtrt_core.models.llama import torch_threads
 from test_quantized_weights import (EOS, LOGPROB_TOLERANCE, MIN_GREEDY_AGREEMENT, TOP_K, closeness,  # noqa: F401
                                greedy_logprobs, one_thread, prompts, quantized_model, reference, tokenizer)
 
@@ -34,6 +35,7 @@ COMPILE_TIMEOUT_S = 900
 EAGER_TOLERANCE = 0.5
 MAX_BATCH = Int4Linear.max_rows + 1  # the batched graphs of both matmul paths
 TEMPLATE_ROWS = 8  # rows of the graph on inductor's int4 GEMM template (TEMPLATE_MIN_ROWS..Int4Linear.max_rows)
+PROMPT_THREADS = 2  # a prompt-only step's graph on more threads than the step's (CompiledDecode.prompt_stance)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,8 @@ def compiled(stored_model_dir: Path):
     model = quantized_model(stored_model_dir, "int4")  # the default's
     geometry = KVCache(model.config.num_layers, MAX_BATCH, model.config.num_kv_heads, model.config.head_dim, 256,
                        torch.bfloat16, torch.device("cpu"))
-    compiled = CompiledDecode(model, geometry, on_miss="fail_on_recompile")  # a step must find its graph
+    compiled = CompiledDecode(model, geometry, on_miss="fail_on_recompile",  # a step must find its graph
+                              prompt_threads=PROMPT_THREADS)
     compiled.start()
     assert compiled.wait(COMPILE_TIMEOUT_S), "the compile failed or timed out (see the log)"
     return model, compiled
@@ -103,11 +106,13 @@ def test_keys_within_one_block_run_compiled(compiled, batch: int) -> None:
     assert float((got.gather(-1, top) - eager.gather(-1, top)).abs().max()) <= EAGER_TOLERANCE
 
 
-@pytest.mark.parametrize("new_tokens", [4, TEMPLATE_ROWS, MAX_BATCH])
-def test_prompt_tokens_ride_the_compiled_step(compiled, prompts, new_tokens: int) -> None:
+@pytest.mark.parametrize("new_tokens,threads", [(4, 1), (TEMPLATE_ROWS, 1), (TEMPLATE_ROWS, PROMPT_THREADS),
+                                               (MAX_BATCH, 1)])
+def test_prompt_tokens_ride_the_compiled_step(compiled, prompts, new_tokens: int, threads: int) -> None:
     """A prompt's next tokens as rows of the compiled step, each at its own position of the same
-    cache row (how the engine prefills a short chunk, model_runner.py): the last token's logprobs
-    close to an eager `extend` of the same tokens, and the keys written let a decode go on alike."""
+    cache row (how the engine prefills a short chunk, model_runner.py; on more threads in a step
+    that only prefills them): the last token's logprobs close to an eager `extend` of the same
+    tokens, and the keys written let a decode go on alike."""
     model, compiled = compiled
     config = model.config
     prompt = prompts[0]
@@ -127,7 +132,7 @@ def test_prompt_tokens_ride_the_compiled_step(compiled, prompts, new_tokens: int
         positions = torch.arange(len(cached), len(prompt))
         table = torch.index_select(rows_cache.block_table, 0, torch.zeros(new_tokens, dtype=torch.long),
                                    out=table[:new_tokens])
-        with compiled.stance():
+        with torch_threads(threads), compiled.stance():  # a graph compiled at that count, or a miss raises
             got = model.decode(torch.tensor(new), positions, len(prompt), rows_cache, table,
                                compiled.layers_decode(), picked=torch.tensor([new_tokens - 1]))[0].float().log_softmax(-1)
     top = eager.topk(TOP_K).indices

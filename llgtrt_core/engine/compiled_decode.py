@@ -20,16 +20,19 @@ what differs is fused float32 arithmetic, within tolerances tests/test_compiled_
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from typing import NamedTuple, Optional
 
 import torch
 
+from llgtrt_core.engine.idle_cores import IdleCores
 from llgtrt_core.engine.kv_cache import KVCache
 from llgtrt_core.layers.ops import TORCH_OPS
-from llgtrt_core.models.llama import LayersDecode, LlamaForCausalLM, decode_layers
+from llgtrt_core.models.llama import LayersDecode, LlamaForCausalLM, decode_layers, torch_threads
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +83,17 @@ def warm_up_shapes(max_rows: int, block_size: int, max_packed_rows: int, templat
 
 class CompiledDecode:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, on_miss: str = "eager_on_recompile",
-                 gemm_templates: bool = True):
+                 gemm_templates: bool = True, prompt_threads: int = 0):
         """cache: the engine's, for its geometry only (the warm-up runs on scratch tensors).
         on_miss: torch.compiler stance for a step no graph fits: run it eagerly, or (tests)
         "fail_on_recompile" to raise. gemm_templates: GEMM_TEMPLATE_CONFIG (the weights frozen
-        into the graphs, inductor's GEMM template where it is faster)."""
+        into the graphs, inductor's GEMM template where it is faster). prompt_threads: torch threads
+        of a step that only prefills TEMPLATE_MIN_ROWS..max_packed_rows tokens (`prompt_stance`),
+        its graph compiled at that count too; 0: the engine's."""
         self.model = model
+        self.prompt_threads = prompt_threads
+        self.idle_cores = IdleCores(os.cpu_count() or 1)
+        self.num_spread_steps = 0  # prompt steps run on prompt_threads (/v1/engine/stats, the step log)
         self.on_miss = on_miss
         self.gemm_templates = gemm_templates
         self.max_batch = cache.num_slots
@@ -120,6 +128,23 @@ class CompiledDecode:
         """The torch.compile stance of a step with the compiled layers (`on_miss`), entered once a
         step (it is not cheap: entered for each layer's call it took ~8 % of a batch-1 step)."""
         return torch.compiler.set_stance(self.on_miss)
+
+    def prompt_stance(self, rows: int, key_len: int):
+        """`stance()` of a step that only prefills (nothing decodes: a client waits for its first
+        token and the API process idles), `rows` tokens over `key_len` keys: on `prompt_threads`
+        threads where a graph was compiled at that count (the GEMM template's rows over several
+        blocks) and the cores are idle (`IdleCores`), else as `stance()`."""
+        if not self._prompt_graph(rows, key_len) or not self.idle_cores.spare(self.prompt_threads - self._threads):
+            return self.stance()
+        self.num_spread_steps += 1
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch_threads(self.prompt_threads))
+        stack.enter_context(self.stance())
+        return stack
+
+    def _prompt_graph(self, rows: int, key_len: int) -> bool:
+        return (self.gemm_templates and self.prompt_threads > self._threads and key_len > self.block_size
+                and TEMPLATE_MIN_ROWS <= rows <= self._max_packed_rows())
 
     def _max_packed_rows(self) -> int:
         return getattr(self.model.model.layers[0].mlp.down_proj, "max_rows", self.max_batch)
@@ -181,5 +206,9 @@ class CompiledDecode:
                 if n > 1 and high is not None:  # the graph's rows a range of their own (the last one's: the branch's)
                     for tensor in (x, block_table, positions):
                         torch._dynamo.mark_dynamic(tensor, 0, min=low, max=high)
-                self._compiled(model.model.layers, x, TORCH_OPS, model.rope_cos, model.rope_sin, keys, values,
-                               block_table, positions, key_len)
+                # Dynamo guards the thread count: a prompt step's graph on more threads is one of its own.
+                counts = [self._threads, *([self.prompt_threads] if self._prompt_graph(n, key_len) else [])]
+                for threads in counts:
+                    with torch_threads(threads):
+                        self._compiled(model.model.layers, x, TORCH_OPS, model.rope_cos, model.rope_sin, keys,
+                                       values, block_table, positions, key_len)

@@ -222,17 +222,19 @@ class ModelRunner:
         tokens = inputs[:t] if decode_tokens is None else torch.cat([decode_tokens, inputs[:t]])
         if self.decode_graphs is None:
             return self._compiled_pass(tokens, inputs[t:t + n], inputs[t + n:t + 2 * n], inputs[t + 2 * n:],
-                                       max(r[1] for r in rows) + 1)
+                                       max(r[1] for r in rows) + 1, prompt_only=not batch)
         logits = self.decode_graphs.decode(tokens, inputs[t:t + n], inputs[t + n:t + 2 * n])
         return logits.index_select(0, inputs[t + 2 * n:])
 
     def _compiled_pass(self, tokens: torch.Tensor, positions: torch.Tensor, cache_rows: torch.Tensor,
-                       picked: torch.Tensor, key_len: int) -> torch.Tensor:
+                       picked: torch.Tensor, key_len: int, prompt_only: bool) -> torch.Tensor:
         """`_graph_pass` on the CPU: the compiled decode step over rows that each name their cache
-        row, the `picked` rows projected to the vocabulary."""
+        row, the `picked` rows projected to the vocabulary; a step that only prefills may run on
+        more threads (`CompiledDecode.prompt_stance`)."""
         table = self._ride_table[: tokens.shape[0]]
         torch.index_select(self.cache.block_table, 0, cache_rows, out=table)
-        with self.compiled_decode.stance():
+        compiled = self.compiled_decode
+        with compiled.prompt_stance(tokens.shape[0], key_len) if prompt_only else compiled.stance():
             return self.model.decode(tokens, positions, key_len, self.cache, table, self._step_layers, picked)
 
     def _extend_scoring_prompt(self, seq: Sequence, tokens: torch.Tensor, row: int) -> torch.Tensor:

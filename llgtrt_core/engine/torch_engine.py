@@ -81,6 +81,7 @@ class TorchEngineConfig:
     cpu_threads: Optional[int] = None  # torch intra-op threads on cpu; default: all cores but one
     cpu_compile: Optional[bool] = None  # compiled decode layers on cpu (compiled_decode.py); default: with int8/int4
     cpu_gemm_templates: bool = True  # the compiled step's weights frozen, inductor's GEMM template where faster
+    cpu_prompt_threads: Optional[int] = None  # a prompt-only step's threads while cores idle; default: all; 0: off
     cuda_graphs: bool = True  # decode under CUDA graphs (cuda only)
     fast_forward: bool = True  # feed the tokens a grammar forces in one forward pass, unsampled
     prefill_chunk_tokens: Optional[int] = None  # prompt tokens prefilled per step; None or 0: whole prompts
@@ -133,6 +134,11 @@ class TorchEngineConfig:
         """The lm_head alone runs on every core (LlamaForCausalLM.logits): it is a fifth of a decode
         step's bytes and one OpenMP region a step, where the layers are ~120."""
         return max(usable_cores(), self.resolve_cpu_threads())
+
+    def resolve_cpu_prompt_threads(self) -> int:
+        """A step that only prefills 5-12 tokens runs on every core while they are idle: nothing
+        decodes then, and the API process waits for the first token (CompiledDecode.prompt_stance)."""
+        return usable_cores() if self.cpu_prompt_threads is None else self.cpu_prompt_threads
 
 
 def usable_cores() -> int:
@@ -212,7 +218,8 @@ class TorchEngine(Engine):
                         time.perf_counter() - started)
         compiled_decode = None
         if self.config.resolve_cpu_compile(self.device):
-            compiled_decode = CompiledDecode(self.model, self.cache, gemm_templates=self.config.cpu_gemm_templates)
+            compiled_decode = CompiledDecode(self.model, self.cache, gemm_templates=self.config.cpu_gemm_templates,
+                                             prompt_threads=self.config.resolve_cpu_prompt_threads())
             compiled_decode.start()  # the eager step serves until it is compiled
         self.runner = ModelRunner(self.model, self.cache, self.device, decode_graphs, self.config.mixed_prefill,
                                   compiled_decode)
@@ -250,10 +257,13 @@ class TorchEngine(Engine):
         if fill_phases is not None:
             phases.update(fill_phases.snapshot("fill."))
         mixed = self.runner.num_mixed_steps if self.runner is not None else 0
+        compiled = self.runner.compiled_decode if self.runner is not None else None
         blocks = self.cache.blocks
         prefix_cache = {"queries": blocks.queries, "hits": blocks.hits, "cached_blocks": blocks.cached_blocks,
                         "evictions": blocks.evictions}
-        return {"num_steps": self.num_steps, "num_mixed_steps": mixed, "step_phases": phases,
+        return {"num_steps": self.num_steps, "num_mixed_steps": mixed,
+                "num_spread_prompt_steps": compiled.num_spread_steps if compiled is not None else 0,
+                "step_phases": phases,
                 "prefix_cache": prefix_cache}
 
     def abort(self, request_id: str) -> None:
@@ -386,6 +396,8 @@ class TorchEngine(Engine):
             ahead, self._ahead = self._ahead, None
             logits = self.runner.forward(plan, running, ahead)
             self.phases.mark("forward")
+            if self._ran and self.runner.compiled_decode is not None:  # logging: the prompt steps on more threads so far
+                self._ran["spread_steps"] = self.runner.compiled_decode.num_spread_steps
         finally:
             fill.error()
         self.phases.mark("fill_wait")
