@@ -1,5 +1,5 @@
 """IdleCores: extra engine threads only while the machine's cores idle (compiled_decode.py's
-prompt steps). /proc/stat is written here, as the kernel formats it."""
+prompt steps). /proc/stat is written here, as the kernel formats it; the sampler reads it."""
 
 from __future__ import annotations
 
@@ -9,16 +9,12 @@ from pathlib import Path
 from llgtrt_core.engine.idle_cores import IdleCores, read_cpu_jiffies
 
 WINDOW_S = 0.05
+SAMPLED_S = 4 * WINDOW_S  # a few samples taken since the file changed
 
 
 def write_stat(path: Path, idle: int, busy: int) -> None:
     # user nice system idle iowait irq softirq steal guest guest_nice
     path.write_text(f"cpu  {busy} 0 0 {idle} 0 0 0 0 0 0\ncpu0 0 0 0 0 0 0 0 0 0 0\n")
-
-
-def probe(stat: Path) -> IdleCores:
-    write_stat(stat, idle=1000, busy=1000)
-    return IdleCores(2, window_s=WINDOW_S, stat_path=str(stat))
 
 
 def test_reads_the_kernels_format(tmp_path: Path) -> None:
@@ -27,23 +23,26 @@ def test_reads_the_kernels_format(tmp_path: Path) -> None:
     assert read_cpu_jiffies(str(tmp_path / "missing")) is None
 
 
-def test_idle_share_since_the_last_look_decides(tmp_path: Path) -> None:
+def test_the_last_windows_idle_share_decides(tmp_path: Path) -> None:
     stat = tmp_path / "stat"
-    cores = probe(stat)
-    time.sleep(WINDOW_S)
+    write_stat(stat, idle=1000, busy=1000)
+    cores = IdleCores(2, window_s=WINDOW_S, stat_path=str(stat))
+    assert not cores.spare(1)  # nothing measured yet
+    cores.start()
     write_stat(stat, idle=1090, busy=1110)  # of 200 ticks on 2 cores, 90 idle: 0.9 core
+    time.sleep(SAMPLED_S)
     assert cores.spare(1)
-    write_stat(stat, idle=1090, busy=1310)  # busy since, but within the window: the last look holds
-    assert cores.spare(1)
-    time.sleep(WINDOW_S)
-    write_stat(stat, idle=1100, busy=1500)  # since the last look (400 ticks), 10 idle: another process holds a core
+    write_stat(stat, idle=1100, busy=1500)  # of 400 ticks since, 10 idle: another process holds a core
+    time.sleep(SAMPLED_S)
     assert not cores.spare(1)
-    time.sleep(WINDOW_S)
     write_stat(stat, idle=1150, busy=1650)  # 0.5 core idle: one stream's own API process and client
+    time.sleep(SAMPLED_S)
     assert cores.spare(1)
     assert not cores.spare(2)
 
 
-def test_no_look_yet_or_no_proc_is_never_spare(tmp_path: Path) -> None:
-    assert not probe(tmp_path / "stat").spare(1)
-    assert not IdleCores(2, stat_path=str(tmp_path / "missing")).spare(1)
+def test_without_proc_never_spare(tmp_path: Path) -> None:
+    cores = IdleCores(2, window_s=WINDOW_S, stat_path=str(tmp_path / "missing"))
+    cores.start()
+    time.sleep(SAMPLED_S)
+    assert not cores.spare(1)
