@@ -2,7 +2,7 @@
 
 An OpenMP team stalls at every op while one of its threads waits for a core another process
 holds (a ~17 ms step took 1.9 s, docs/benchmarks/cpu.md session 12), so extra engine threads are
-taken only while the machine's cores were idle enough over the last quarter second. A thread
+taken only while other processes kept little of the machine busy over the last quarter second. A thread
 samples /proc/stat four times a second (~30 us each): a window measured at the step's start
 would be long ago after an idle pause, and blind to a process that started since.
 """
@@ -14,10 +14,11 @@ import time
 from typing import Optional
 
 STAT_PATH = "/proc/stat"
-# Of each extra thread's core, idle over the window: one stream's decode leaves ~0.5 core of 2
-# idle (its API process and client take the rest, and wait for the first token when a prompt
-# step runs); another process holding a core leaves ~none (docs/benchmarks/cpu.md, session 12).
-IDLE_SHARE = 0.3
+# Of the cores the team needs (the caller's and the extra ones), how much other processes may have
+# kept busy over the window: one stream's API process and client take ~0.5 core (and wait for
+# the first token when a prompt step runs); another process holding a core takes ~1
+# (docs/benchmarks/cpu.md, session 12).
+OTHERS_MAX_CORES = 0.7
 
 
 def read_cpu_jiffies(path: str = STAT_PATH) -> Optional[tuple[int, int]]:
@@ -34,7 +35,7 @@ def read_cpu_jiffies(path: str = STAT_PATH) -> Optional[tuple[int, int]]:
 
 class IdleCores:
     """`spare(extra)`: whether `extra` more threads than the caller's would find idle cores, from
-    the idle share of the last window (none measured yet: no)."""
+    what other processes kept busy over the last window (none measured yet: no)."""
 
     def __init__(self, cores: int, window_s: float = 0.25, stat_path: str = STAT_PATH) -> None:
         """cores: the machine's (/proc/stat counts them all); window_s: the sampling period (the
@@ -42,23 +43,28 @@ class IdleCores:
         self.cores = cores
         self.window_s = window_s
         self.stat_path = stat_path
-        self._idle_cores = 0.0
+        self._others_busy = float(cores)  # cores other processes kept busy over the last window
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> None:
         first = read_cpu_jiffies(self.stat_path)
         if self._thread is None and first is not None:
-            self._thread = threading.Thread(target=self._sample, args=(first,), name="idle-cores", daemon=True)
+            self._thread = threading.Thread(target=self._sample, args=((time.monotonic(), time.process_time(), *first),),
+                                            name="idle-cores", daemon=True)
             self._thread.start()
 
     def spare(self, extra: int) -> bool:
-        return self._idle_cores >= IDLE_SHARE * extra
+        return self._others_busy <= self.cores - 1 - extra + OTHERS_MAX_CORES
 
-    def _sample(self, before: tuple[int, int]) -> None:
+    def _sample(self, before: tuple[float, float, int, int]) -> None:
+        """(wall s, process cpu s, idle, total jiffies) each window: the machine's busy cores less
+        this process's own (its engine thread is the caller, busy or not)."""
         while True:
             time.sleep(self.window_s)
-            now = read_cpu_jiffies(self.stat_path)
-            if now is None or now[1] <= before[1]:  # a torn read, or no tick since
+            jiffies = read_cpu_jiffies(self.stat_path)
+            if jiffies is None or jiffies[1] <= before[3]:  # a torn read, or no tick since
                 continue
-            self._idle_cores = self.cores * (now[0] - before[0]) / (now[1] - before[1])
+            now = (time.monotonic(), time.process_time(), *jiffies)
+            busy = self.cores * (1 - (now[2] - before[2]) / (now[3] - before[3]))
+            self._others_busy = busy - (now[1] - before[1]) / (now[0] - before[0])
             before = now
