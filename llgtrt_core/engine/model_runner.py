@@ -51,6 +51,9 @@ class ModelRunner:
         self.device = device
         self.decode_graphs = decode_graphs
         self.num_mixed_steps = 0  # steps that decoded and prefilled in one pass
+        # Rows the last step that decoded decoded: a prompt step after more streams than one finds
+        # their API process busy (ending them, taking the next requests), no core to spare.
+        self._last_decoded = 0
         # The compiled CPU decode step, read once a step (its compile finishes on another thread).
         self._step_layers: Optional[LayersDecode] = None
         # Block table rows of a compiled pass with prompt rows: a normal tensor, sliced, as the
@@ -69,6 +72,7 @@ class ModelRunner:
         self._step_layers = None if self.compiled_decode is None else self.compiled_decode.layers_decode()
         if num_decoding:
             batch = running[:num_decoding]
+            self._last_decoded = num_decoding
             if ahead is None and self._mixes(batch, plan.chunks):
                 return self._mixed(batch, plan.chunks)
             if ahead is None:
@@ -222,19 +226,19 @@ class ModelRunner:
         tokens = inputs[:t] if decode_tokens is None else torch.cat([decode_tokens, inputs[:t]])
         if self.decode_graphs is None:
             return self._compiled_pass(tokens, inputs[t:t + n], inputs[t + n:t + 2 * n], inputs[t + 2 * n:],
-                                       max(r[1] for r in rows) + 1, prompt_only=not batch)
+                                       max(r[1] for r in rows) + 1, may_spread=not batch and self._last_decoded <= 1)
         logits = self.decode_graphs.decode(tokens, inputs[t:t + n], inputs[t + n:t + 2 * n])
         return logits.index_select(0, inputs[t + 2 * n:])
 
     def _compiled_pass(self, tokens: torch.Tensor, positions: torch.Tensor, cache_rows: torch.Tensor,
-                       picked: torch.Tensor, key_len: int, prompt_only: bool) -> torch.Tensor:
+                       picked: torch.Tensor, key_len: int, may_spread: bool) -> torch.Tensor:
         """`_graph_pass` on the CPU: the compiled decode step over rows that each name their cache
-        row, the `picked` rows projected to the vocabulary; a step that only prefills may run on
-        more threads (`CompiledDecode.prompt_stance`)."""
+        row, the `picked` rows projected to the vocabulary; a step that only prefills, after at most
+        one stream decoded, may run on more threads (`CompiledDecode.prompt_stance`)."""
         table = self._ride_table[: tokens.shape[0]]
         torch.index_select(self.cache.block_table, 0, cache_rows, out=table)
         compiled = self.compiled_decode
-        with compiled.prompt_stance(tokens.shape[0], key_len) if prompt_only else compiled.stance():
+        with compiled.prompt_stance(tokens.shape[0], key_len) if may_spread else compiled.stance():
             return self.model.decode(tokens, positions, key_len, self.cache, table, self._step_layers, picked)
 
     def _extend_scoring_prompt(self, seq: Sequence, tokens: torch.Tensor, row: int) -> torch.Tensor:
