@@ -87,8 +87,8 @@ class RuntimeConfig:
     cpu_prompt_threads: Optional[int] = option(None, "PyTorch engine on cpu, compiled step with GEMM templates: "
                                                      "torch threads of a step that only prefills 5-12 tokens (one "
                                                      "client waits for its first token), in a graph of their own, "
-                                                     "taken only while other processes leave the cores idle; null: every core; 0: off. "
-                                                     "Env LLGTRT_CPU_PROMPT_THREADS.")
+                                                     "taken only while other processes leave the cores idle; null: "
+                                                     "every core; 0: off. Env LLGTRT_CPU_PROMPT_THREADS.")
     prefill_chunk_tokens: Optional[int] = option(None, "PyTorch engine: prompt tokens prefilled per engine step; a "
                                                        "longer prompt is prefilled a chunk per step while running "
                                                        "sequences keep decoding. null or 0: whole prompts in one "

@@ -9,8 +9,8 @@ parameters of built-in modules), and dynamo checks its guards once a step, not o
 (that cost ~4 ms of a ~19 ms step with one compiled call per layer). Shapes are dynamic in batch
 size, key length and cache size. Compiling the five graphs (six with `prompt_threads`) takes
 ~8 min of a core the first time with the GEMM templates' autotuning (~4.5 min with inductor's
-disk cache, docs/benchmarks/cpu.md), so it runs in a thread of its own at engine start while the eager
-step serves; the thread compiles every graph a decode can need on scratch tensors
+disk cache, docs/benchmarks/cpu.md), so it runs in a thread of its own at engine start while
+the eager step serves; the thread compiles every graph a decode can need on scratch tensors
 (`warm_up_shapes`) and only then is `layers_decode` handed out. A later step whose shapes no
 graph covers runs eagerly rather than compiling in the engine loop (stance "eager_on_recompile").
 

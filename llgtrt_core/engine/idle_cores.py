@@ -2,9 +2,9 @@
 
 An OpenMP team stalls at every op while one of its threads waits for a core another process
 holds (a ~17 ms step took 1.9 s, docs/benchmarks/cpu.md session 12), so extra engine threads are
-taken only while other processes kept little of the machine busy over the last quarter second. A thread
-samples /proc/stat four times a second (~30 us each): a window measured at the step's start
-would be long ago after an idle pause, and blind to a process that started since.
+taken only while other processes kept little of the machine busy over the last quarter second.
+A thread samples /proc/stat four times a second (~30 us each): a window measured at the step's
+start would reach back across an idle pause, blind to a process started since.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ class IdleCores:
     def start(self) -> None:
         first = read_cpu_jiffies(self.stat_path)
         if self._thread is None and first is not None:
-            self._thread = threading.Thread(target=self._sample, args=((time.monotonic(), time.process_time(), *first),),
-                                            name="idle-cores", daemon=True)
+            started = (time.monotonic(), time.process_time(), *first)
+            self._thread = threading.Thread(target=self._sample, args=(started,), name="idle-cores", daemon=True)
             self._thread.start()
 
     def spare(self, extra: int) -> bool:

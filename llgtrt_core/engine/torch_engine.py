@@ -396,7 +396,7 @@ class TorchEngine(Engine):
             ahead, self._ahead = self._ahead, None
             logits = self.runner.forward(plan, running, ahead)
             self.phases.mark("forward")
-            if self._ran and self.runner.compiled_decode is not None:  # logging: the prompt steps on more threads so far
+            if self._ran and self.runner.compiled_decode is not None:  # logging: prompt steps on more threads so far
                 self._ran["spread_steps"] = self.runner.compiled_decode.num_spread_steps
         finally:
             fill.error()
