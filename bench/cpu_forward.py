@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -25,13 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine_cpu import default_model_dir  # noqa: E402  (bench/ is the script's folder)
 from llgtrt_core.engine.compiled_decode import CompiledDecode  # noqa: E402
 from llgtrt_core.engine.kv_cache import KVCache  # noqa: E402
+from llgtrt_core.kernels import cpu_quant  # noqa: E402
 from llgtrt_core.models.loader import load_model  # noqa: E402
 from measure import machine  # noqa: E402
 
 # name: (dtype, weights (load_model's), compiled decode layers)
 FORMATS = {"float32": (torch.float32, "dense", False), "bfloat16": (torch.bfloat16, "dense", False),
            "int8": (torch.bfloat16, "int8", False), "int8+compiled": (torch.bfloat16, "int8", True),
-           "int4": (torch.bfloat16, "int4", False), "int4+compiled": (torch.bfloat16, "int4", True)}
+           "int4": (torch.bfloat16, "int4", False), "int4+compiled": (torch.bfloat16, "int4", True),
+           "int4-aten": (torch.bfloat16, "int4", False), "int4-aten+compiled": (torch.bfloat16, "int4", True)}
+ATEN_INT4 = ("int4-aten", "int4-aten+compiled")  # aten's int4 kernel, as before our VNNI one (kernels/cpu_quant.py)
 MAX_LEN = 1024
 CONTEXT = 200  # tokens already cached when a decode step runs
 SHORT_PROMPT = (32, 8)  # a chat prompt's new tokens after its cached prefix: (cached, new)
@@ -48,7 +51,9 @@ def passes(model, dtype: torch.dtype, compile_decode: bool, prompt_tokens: int, 
     layers_decode, stance = None, contextlib.nullcontext
     if compile_decode:
         started = time.perf_counter()
-        compiled = CompiledDecode(model, cache, prompt_threads=model.head_threads)  # the engine gives both every core
+        # As the engine: every core for a prompt step, GEMM templates only for aten's matmuls.
+        compiled = CompiledDecode(model, cache, gemm_templates=not model.uses_cpu_kernels(),
+                                  prompt_threads=model.head_threads)
         compiled.start()
         if not compiled.wait(COMPILE_TIMEOUT_S):
             raise SystemExit("compiling the decode layers failed or timed out")
@@ -83,6 +88,16 @@ def passes(model, dtype: torch.dtype, compile_decode: bool, prompt_tokens: int, 
             "decode 8": lambda: decode(8)}
 
 
+@contextlib.contextmanager
+def aten_int4(on: bool) -> Iterator[None]:
+    """Int4 layers made while this is on use aten's kernel, as where ours cannot run."""
+    available, cpu_quant.available = cpu_quant.available, (lambda: False) if on else cpu_quant.available
+    try:
+        yield
+    finally:
+        cpu_quant.available = available
+
+
 def timed_ms(run: Callable[[], torch.Tensor], repeats: int) -> float:
     run()  # warm-up: oneDNN picks its kernels on the first call of a shape
     start = time.perf_counter()
@@ -100,19 +115,25 @@ def main() -> None:
                         help="torch intra-op threads (the engine's default on 2 cores)")
     parser.add_argument("--head-threads", type=int, default=0,
                         help="torch threads of the lm_head (the engine's: every core); 0: --threads")
+    parser.add_argument("--kernel-threads", type=int, default=1,
+                        help="threads our cpu kernels share (the engine's while the cores are idle: every core)")
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0, help="the random token ids")
     parser.add_argument("--profile", action="store_true", help="torch.profiler table per format and pass")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if cpu_quant.available():
+        cpu_quant.set_threads(args.kernel_threads)
     model_dir = default_model_dir()
     models = {}
     for name in args.formats.split(","):
         dtype, weights, compile_decode = FORMATS[name]
-        model = load_model(model_dir, MAX_LEN, dtype, torch.device("cpu"), weights)
-        model.head_threads = args.head_threads
+        with aten_int4(name in ATEN_INT4):
+            model = load_model(model_dir, MAX_LEN, dtype, torch.device("cpu"), weights)
+        model.head_threads = 0 if model.uses_cpu_kernels() else args.head_threads  # ours: --kernel-threads
         models[name] = passes(model, dtype, compile_decode, args.prompt_tokens, args.seed)
-    print(f"{machine()}; {args.threads} thread(s), lm_head {args.head_threads or args.threads}; seed {args.seed}",
+    print(f"{machine()}; {args.threads} thread(s), lm_head {args.head_threads or args.threads}, our kernels "
+          f"{args.kernel_threads}; seed {args.seed}",
           flush=True)
     times: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.rounds):

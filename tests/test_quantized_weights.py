@@ -216,7 +216,12 @@ def test_auto_picks_int4_only_when_every_projection_holds_in_int4() -> None:
     assert int4.quantize_weights("auto", torch.bfloat16) == "int4"
     down = int4.model.layers[0].mlp.down_proj
     assert isinstance(down, Int4Linear)
-    assert torch.equal(down.int4_weight, torch.ops.aten._convert_weight_to_int4pack_for_cpu(expected.q.int(), 1))
+    if down.vnni:
+        from llgtrt_core.kernels.cpu_quant import pack_int4
+
+        assert torch.equal(down.int4_weight, pack_int4(*expected)[0])
+    else:
+        assert torch.equal(down.int4_weight, torch.ops.aten._convert_weight_to_int4pack_for_cpu(expected.q.int(), 1))
     assert model(on_grid=True, off_grid_projection=True).quantize_weights("auto", torch.bfloat16) == "int8"
     random = model(on_grid=False)
     assert random.quantize_weights("auto", torch.bfloat16) == "int8"

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llgtrt_core.kernels import cpu_quant
+
 INT4_GROUP = 32  # input channels per scale and zero, as in Q4_1
 INT4_INNER_K_TILES = 1  # the packing the CPU kernel reads (any value; it repacks for its own tiles)
 
@@ -88,20 +90,31 @@ class WeightOnlyLinear(nn.Module):
 
 
 class Int8Linear(WeightOnlyLinear):
+    """On a CPU with AVX-512 VNNI our kernel (kernels/cpu_quant.py, the activations quantized to
+    int8 per block of 32), elsewhere aten's."""
+
     max_rows = 4
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
         int8_weight, scales = quantize_int8(weight)
         scales = scales.to(dtype)  # the kernel takes them in the activations' dtype: round them once, for both paths
         super().__init__(int8_weight.float() * scales.float()[:, None], bias, dtype)
-        self.register_buffer("int8_weight", int8_weight)
+        self.vnni = dtype == torch.bfloat16 and _vnni_fits(weight)
+        self.register_buffer("int8_weight", cpu_quant.pack_int8(int8_weight) if self.vnni else int8_weight)
         self.register_buffer("scales", scales)
 
     def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni:
+            return cpu_quant.int8_mm(x, self.int8_weight, self.scales)
         return torch.ops.aten._weight_int8pack_mm(x, self.int8_weight, self.scales)
 
 
 class Int4Linear(WeightOnlyLinear):
+    """On a CPU with AVX-512 VNNI our kernel (kernels/cpu_quant.py: the activations quantized to
+    int8 per block of 32, as llama.cpp does; scales and minimums in float16, as in Q4_1), which
+    reads the weights 2.7x faster than aten's at 1 row and 3x at 8 (docs/benchmarks/cpu.md,
+    session 13); elsewhere aten's int4 kernel."""
+
     # Out of cache (a whole model's layers in turn) int4 is 4x faster than the bfloat16 GEMM at
     # 1 row and still ahead at 8; at 16 rows the GEMM wins.
     max_rows = 12
@@ -110,14 +123,40 @@ class Int4Linear(WeightOnlyLinear):
                  groups: Optional[Int4Groups] = None):
         """groups: `weight`'s, when already quantized (`exact_int4_groups`)."""
         q, scales, low = groups if groups is not None else quantize_int4(weight)
+        vnni = dtype == torch.bfloat16 and _vnni_fits(q)
+        (self._init_vnni if vnni else self._init_aten)(q, scales, low, bias, dtype)
+        self.vnni = vnni
+
+    def _init_vnni(self, q: torch.Tensor, scales: torch.Tensor, low: torch.Tensor, bias: Optional[torch.Tensor],
+                   dtype: torch.dtype) -> None:
+        packed, scales16, mins16 = cpu_quant.pack_int4(q, scales, low)
+        super().__init__(q * _per_input(scales.half()) + _per_input(low.half()), bias, dtype)  # as the kernel rounds them
+        self.register_buffer("int4_weight", packed)
+        self.register_buffer("scales", scales16)
+        self.register_buffer("mins", mins16)
+
+    def _init_aten(self, q: torch.Tensor, scales: torch.Tensor, low: torch.Tensor, bias: Optional[torch.Tensor],
+                   dtype: torch.dtype) -> None:
         q = q.to(torch.int32)  # what the packing takes (and no uint8 wrap-around below)
         # The kernel computes (q - 8) * scale + zero, in the activations' dtype: rounded once, for both paths.
         scales_and_zeros = torch.stack([scales, low + 8 * scales], dim=-1).transpose(0, 1).to(dtype).contiguous()
-        scales, zeros = (part.float().transpose(0, 1).repeat_interleave(INT4_GROUP, 1)
-                         for part in scales_and_zeros.unbind(-1))
+        scales, zeros = (_per_input(part.transpose(0, 1)) for part in scales_and_zeros.unbind(-1))
         super().__init__((q - 8) * scales + zeros, bias, dtype)
         self.register_buffer("int4_weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INT4_INNER_K_TILES))
         self.register_buffer("scales_and_zeros", scales_and_zeros)  # (in / INT4_GROUP, out, 2)
 
     def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni:
+            return cpu_quant.int4_mm(x, self.int4_weight, self.scales, self.mins)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4_weight, INT4_GROUP, self.scales_and_zeros)
+
+
+def _vnni_fits(weight: torch.Tensor) -> bool:
+    """Whether our kernels take this (out, in) weight: whole groups of rows and blocks of inputs, on a CPU they run on."""
+    return (weight.shape[0] % cpu_quant.ROWS_PER_GROUP == 0 and weight.shape[1] % cpu_quant.BLOCK == 0
+            and cpu_quant.available())
+
+
+def _per_input(group_values: torch.Tensor) -> torch.Tensor:
+    """(out, in / INT4_GROUP) -> (out, in) float32: each group's value for each of its inputs."""
+    return group_values.float().repeat_interleave(INT4_GROUP, 1)
