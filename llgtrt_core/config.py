@@ -79,16 +79,20 @@ class RuntimeConfig:
                                                "(torch.compile, a C++ compiler needed) in the background at start, "
                                                "the eager step serving meanwhile; null: on with int8/int4 weights. Env "
                                                "LLGTRT_CPU_COMPILE (true/false).")
-    cpu_gemm_templates: bool = option(True, "PyTorch engine on cpu, compiled step: the weights frozen into its "
-                                            "graphs and inductor's C++ GEMM template for the quantized matmuls "
-                                            "where it times faster than the aten kernel (1 row, and 5-12 rows in "
-                                            "a graph of their own; longer compile). Env "
-                                            "LLGTRT_CPU_GEMM_TEMPLATES (true/false).")
+    cpu_gemm_templates: bool = option(True, "PyTorch engine on cpu, compiled step, where the quantized matmuls "
+                                            "are aten's (a cpu without AVX-512 VNNI): the weights frozen into its "
+                                            "graphs and inductor's C++ GEMM template for those matmuls where it "
+                                            "times faster (1 row, and 5-12 rows in a graph of their own; longer "
+                                            "compile). Env LLGTRT_CPU_GEMM_TEMPLATES (true/false).")
     cpu_prompt_threads: Optional[int] = option(None, "PyTorch engine on cpu, compiled step with GEMM templates: "
                                                      "torch threads of a step that only prefills 5-12 tokens (one "
                                                      "client waits for its first token), in a graph of their own, "
                                                      "taken only while other processes leave the cores idle; null: "
                                                      "every core; 0: off. Env LLGTRT_CPU_PROMPT_THREADS.")
+    cpu_kernel_threads: Optional[int] = option(None, "PyTorch engine on cpu with AVX-512 VNNI: threads that share "
+                                                     "a step's quantized matmuls (our kernels), taken only while "
+                                                     "other processes leave the cores idle; null: every core; 1: "
+                                                     "the engine thread alone. Env LLGTRT_CPU_KERNEL_THREADS.")
     prefill_chunk_tokens: Optional[int] = option(None, "PyTorch engine: prompt tokens prefilled per engine step; a "
                                                        "longer prompt is prefilled a chunk per step while running "
                                                        "sequences keep decoding. null or 0: whole prompts in one "
@@ -284,6 +288,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "LLGTRT_CPU_COMPILE": ("runtime", "cpu_compile"),
     "LLGTRT_CPU_GEMM_TEMPLATES": ("runtime", "cpu_gemm_templates"),
     "LLGTRT_CPU_PROMPT_THREADS": ("runtime", "cpu_prompt_threads"),
+    "LLGTRT_CPU_KERNEL_THREADS": ("runtime", "cpu_kernel_threads"),
     "LLGTRT_PREFILL_CHUNK_TOKENS": ("runtime", "prefill_chunk_tokens"),
     "LLGTRT_TOOL_FORMAT": ("tokenizer", "tool_format"),
     "LLGTRT_API_KEY": ("server", "api_key"),

@@ -111,7 +111,7 @@ class CompiledDecode:
         """Compile in the background; `layers_decode` stays None until every graph is compiled.
         Called on a thread with the engine's torch thread count."""
         self._threads = torch.get_num_threads()
-        if self.prompt_threads > self._threads:
+        if self.gemm_templates and self.prompt_threads > self._threads:
             self.idle_cores.start()
         self._thread = threading.Thread(target=self._compile, name="cpu-compile", daemon=True)
         self._thread.start()

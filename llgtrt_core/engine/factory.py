@@ -59,6 +59,7 @@ def create_engine(
                                           cpu_threads=runtime.cpu_threads, cpu_compile=runtime.cpu_compile,
                                           cpu_gemm_templates=runtime.cpu_gemm_templates,
                                           cpu_prompt_threads=runtime.cpu_prompt_threads,
+                                          cpu_kernel_threads=runtime.cpu_kernel_threads,
                                           prefill_chunk_tokens=runtime.prefill_chunk_tokens,
                                           mixed_prefill=runtime.mixed_prefill,
                                           kv_cache_free_gpu_memory_fraction=runtime.kv_cache_free_gpu_mem_fraction,

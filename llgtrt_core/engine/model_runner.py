@@ -26,6 +26,7 @@ import torch
 
 from llgtrt_core.engine.compiled_decode import CompiledDecode
 from llgtrt_core.engine.decode_graphs import DecodeGraphs
+from llgtrt_core.engine.kernel_threads import KernelThreads
 from llgtrt_core.engine.kv_cache import KVCache
 from llgtrt_core.engine.sampler import token_logprobs
 from llgtrt_core.engine.sequence import Chunk, Sequence, StepPlan
@@ -43,9 +44,10 @@ CPU_RIDE_KEYS = 1024
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, device: torch.device,
                  decode_graphs: Optional[DecodeGraphs], mixed_prefill: bool = True,
-                 compiled_decode: Optional[CompiledDecode] = None):
+                 compiled_decode: Optional[CompiledDecode] = None, kernel_threads: Optional[KernelThreads] = None):
         self.model = model
         self.compiled_decode = compiled_decode
+        self.kernel_threads = kernel_threads
         self.mixed_prefill = mixed_prefill
         self.cache = cache
         self.device = device
@@ -70,6 +72,8 @@ class ModelRunner:
         logits = []
         num_decoding = plan.num_decoding
         self._step_layers = None if self.compiled_decode is None else self.compiled_decode.layers_decode()
+        if self.kernel_threads is not None:
+            self.kernel_threads.before_step()
         if num_decoding:
             batch = running[:num_decoding]
             self._last_decoded = num_decoding

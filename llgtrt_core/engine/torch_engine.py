@@ -57,6 +57,7 @@ from llgtrt_core.engine.interface import (
     TokenLogprob,
     next_delta,
 )
+from llgtrt_core.engine.kernel_threads import KernelThreads
 from llgtrt_core.engine.kv_cache import CUDA_MEMORY_FRACTION, KVCache
 from llgtrt_core.engine.model_runner import ModelRunner
 from llgtrt_core.engine.sampler import BatchSampler
@@ -80,8 +81,9 @@ class TorchEngineConfig:
     weights: Optional[str] = None
     cpu_threads: Optional[int] = None  # torch intra-op threads on cpu; default: all cores but one
     cpu_compile: Optional[bool] = None  # compiled decode layers on cpu (compiled_decode.py); default: with int8/int4
-    cpu_gemm_templates: bool = True  # the compiled step's weights frozen, inductor's GEMM template where faster
+    cpu_gemm_templates: bool = True  # with aten's quantized matmuls: the compiled step's weights frozen, GEMM templates
     cpu_prompt_threads: Optional[int] = None  # a prompt-only step's threads while cores idle; default: all; 0: off
+    cpu_kernel_threads: Optional[int] = None  # threads our cpu kernels share while cores idle; default: all cores
     cuda_graphs: bool = True  # decode under CUDA graphs (cuda only)
     fast_forward: bool = True  # feed the tokens a grammar forces in one forward pass, unsampled
     prefill_chunk_tokens: Optional[int] = None  # prompt tokens prefilled per step; None or 0: whole prompts
@@ -134,6 +136,11 @@ class TorchEngineConfig:
         """The lm_head alone runs on every core (LlamaForCausalLM.logits): it is a fifth of a decode
         step's bytes and one OpenMP region a step, where the layers are ~120."""
         return max(usable_cores(), self.resolve_cpu_threads())
+
+    def resolve_cpu_kernel_threads(self) -> int:
+        """Our quantized matmuls share a step's work among every core while they are idle
+        (engine/kernel_threads.py)."""
+        return self.cpu_kernel_threads or usable_cores()
 
     def resolve_cpu_prompt_threads(self) -> int:
         """A step that only prefills 5-12 tokens runs on every core while they are idle: nothing
@@ -204,7 +211,8 @@ class TorchEngine(Engine):
             self.model = await asyncio.to_thread(load_model, self.model_dir, self.max_model_len, self.dtype,
                                                  self.device, self.config.resolve_weights(self.device))
         cfg = self.model.config
-        if self.device.type == "cpu":
+        cpu_kernels = self.model.uses_cpu_kernels()
+        if self.device.type == "cpu" and not cpu_kernels:  # our kernels share the lm_head among KernelThreads
             self.model.head_threads = self.config.resolve_cpu_head_threads()
         self.cache = KVCache.for_device(cfg.num_layers, self.config.max_batch_size, cfg.num_kv_heads, cfg.head_dim,
                                         self.max_model_len, self.dtype, self.device,
@@ -218,11 +226,17 @@ class TorchEngine(Engine):
                         time.perf_counter() - started)
         compiled_decode = None
         if self.config.resolve_cpu_compile(self.device):
-            compiled_decode = CompiledDecode(self.model, self.cache, gemm_templates=self.config.cpu_gemm_templates,
+            # Our kernels read the weights faster than inductor's GEMM templates at every row count
+            # (docs/benchmarks/cpu.md, session 13): no templates, no graphs of their own for them.
+            compiled_decode = CompiledDecode(self.model, self.cache,
+                                             gemm_templates=self.config.cpu_gemm_templates and not cpu_kernels,
                                              prompt_threads=self.config.resolve_cpu_prompt_threads())
             compiled_decode.start()  # the eager step serves until it is compiled
+        kernel_threads = KernelThreads(self.config.resolve_cpu_kernel_threads()) if cpu_kernels else None
+        if kernel_threads is not None:
+            kernel_threads.start()
         self.runner = ModelRunner(self.model, self.cache, self.device, decode_graphs, self.config.mixed_prefill,
-                                  compiled_decode)
+                                  compiled_decode, kernel_threads)
         self.scheduler = Scheduler(self.cache, self.config.prefill_chunk_tokens, self._prepare, self._join,
                                    self._move_row)
         self.constraints.start()
@@ -258,11 +272,13 @@ class TorchEngine(Engine):
             phases.update(fill_phases.snapshot("fill."))
         mixed = self.runner.num_mixed_steps if self.runner is not None else 0
         compiled = self.runner.compiled_decode if self.runner is not None else None
+        kernel_threads = self.runner.kernel_threads if self.runner is not None else None
         blocks = self.cache.blocks
         prefix_cache = {"queries": blocks.queries, "hits": blocks.hits, "cached_blocks": blocks.cached_blocks,
                         "evictions": blocks.evictions}
         return {"num_steps": self.num_steps, "num_mixed_steps": mixed,
                 "num_spread_prompt_steps": compiled.num_spread_steps if compiled is not None else 0,
+                "num_shared_kernel_steps": kernel_threads.num_shared_steps if kernel_threads is not None else 0,
                 "step_phases": phases,
                 "prefix_cache": prefix_cache}
 
@@ -398,6 +414,8 @@ class TorchEngine(Engine):
             self.phases.mark("forward")
             if self._ran and self.runner.compiled_decode is not None:  # logging: prompt steps on more threads so far
                 self._ran["spread_steps"] = self.runner.compiled_decode.num_spread_steps
+            if self._ran and self.runner.kernel_threads is not None:  # logging: steps whose matmuls shared threads so far
+                self._ran["shared_steps"] = self.runner.kernel_threads.num_shared_steps
         finally:
             fill.error()
         self.phases.mark("fill_wait")

@@ -374,6 +374,10 @@ class LlamaForCausalLM(nn.Module):
         self.reset_rope_tables()
         return weights
 
+    def uses_cpu_kernels(self) -> bool:
+        """Whether the quantized matmuls run our CPU kernels (kernels/cpu_quant.py; all of them or none)."""
+        return getattr(self.lm_head, "vnni", False)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm_head's float32 logits of final hidden states, on `head_threads` torch threads when
         set: on the CPU the lm_head (49152 x 576 for the default model, a fifth of a decode step's
