@@ -19,7 +19,8 @@ from llgtrt_core.engine.compiled_decode import CompiledDecode
 from llgtrt_core.engine.interface import GenerationRequest, SamplingParams
 from llgtrt_core.engine.kv_cache import KVCache
 from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig
-from llgtrt_core.layers.quantized_linear import Int4Linear
+from llgtrt_core.kernels import cpu_quant
+from llgtrt_core.layers.quantized_linear import VNNI_MAX_ROWS, Int4Linear
 from llgtrt_core.models.llama import torch_threads
 from test_quantized_weights import (EOS, LOGPROB_TOLERANCE, MIN_GREEDY_AGREEMENT, TOP_K, closeness,  # noqa: F401
                                greedy_logprobs, one_thread, prompts, quantized_model, reference, tokenizer)
@@ -33,7 +34,8 @@ COMPILE_TIMEOUT_S = 900
 # equal picks (near-ties: bfloat16 rounds differently where inductor fuses), top-5 logprobs within
 # 0.24 nats; a broken kernel is tens of nats off (test_quantized_weights).
 EAGER_TOLERANCE = 0.5
-MAX_BATCH = Int4Linear.max_rows + 1  # the batched graphs of both matmul paths
+# The batched graphs of both matmul paths: the packed kernel's rows (ours, or aten's) and beyond.
+MAX_BATCH = (VNNI_MAX_ROWS if cpu_quant.available() else Int4Linear.max_rows) + 1
 TEMPLATE_ROWS = 8  # rows of the graph on inductor's int4 GEMM template (TEMPLATE_MIN_ROWS..Int4Linear.max_rows)
 PROMPT_THREADS = 2  # a prompt-only step's graph on more threads than the step's (CompiledDecode.prompt_stance)
 

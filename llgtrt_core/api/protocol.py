@@ -576,6 +576,8 @@ class EngineStats(OpenAIResponseModel):
     num_active: int  # engine requests submitted and not yet finished
     num_steps: Optional[int] = None  # the embedded engine's steps so far
     num_mixed_steps: Optional[int] = None  # of those, steps that decoded and prefilled in one forward pass
+    num_spread_prompt_steps: Optional[int] = None  # CPU: prompt-only steps run on more torch threads
+    num_shared_kernel_steps: Optional[int] = None  # CPU: steps whose quantized matmuls shared threads
     step_phases: dict[str, StepPhaseStats] = {}  # totals per phase of its step loop (llgtrt_core/engine/step_profile.py)
     prefix_cache: Optional[PrefixCacheStats] = None
 

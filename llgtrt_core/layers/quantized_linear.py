@@ -21,6 +21,9 @@ from llgtrt_core.kernels import cpu_quant
 
 INT4_GROUP = 32  # input channels per scale and zero, as in Q4_1
 INT4_INNER_K_TILES = 1  # the packing the CPU kernel reads (any value; it repacks for its own tiles)
+# Rows up to which our kernels (kernels/cpu_quant.py) beat the bfloat16 GEMM: 30 layers' int4
+# projections at 32 rows took 22-31 ms against its 44 (docs/benchmarks/cpu.md, session 13).
+VNNI_MAX_ROWS = 32
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,6 +103,8 @@ class Int8Linear(WeightOnlyLinear):
         scales = scales.to(dtype)  # the kernel takes them in the activations' dtype: round them once, for both paths
         super().__init__(int8_weight.float() * scales.float()[:, None], bias, dtype)
         self.vnni = dtype == torch.bfloat16 and _vnni_fits(weight)
+        if self.vnni:
+            self.max_rows = VNNI_MAX_ROWS
         self.register_buffer("int8_weight", cpu_quant.pack_int8(int8_weight) if self.vnni else int8_weight)
         self.register_buffer("scales", scales)
 
@@ -126,6 +131,8 @@ class Int4Linear(WeightOnlyLinear):
         vnni = dtype == torch.bfloat16 and _vnni_fits(q)
         (self._init_vnni if vnni else self._init_aten)(q, scales, low, bias, dtype)
         self.vnni = vnni
+        if vnni:
+            self.max_rows = VNNI_MAX_ROWS
 
     def _init_vnni(self, q: torch.Tensor, scales: torch.Tensor, low: torch.Tensor, bias: Optional[torch.Tensor],
                    dtype: torch.dtype) -> None:
