@@ -226,8 +226,8 @@ class TorchEngine(Engine):
                         time.perf_counter() - started)
         compiled_decode = None
         if self.config.resolve_cpu_compile(self.device):
-            # Our kernels read the weights faster than inductor's GEMM templates at every row count
-            # (docs/benchmarks/cpu.md, session 13): no templates, no graphs of their own for them.
+            # Inductor's GEMM templates replace aten's quantized matmuls only: with our kernels they
+            # would find nothing to replace and cost their graphs' compile (docs/benchmarks/cpu.md, session 13).
             compiled_decode = CompiledDecode(self.model, self.cache,
                                              gemm_templates=self.config.cpu_gemm_templates and not cpu_kernels,
                                              prompt_threads=self.config.resolve_cpu_prompt_threads())
