@@ -44,8 +44,10 @@ def test_int4_mm_takes_a_strided_x_and_rejects_other_dtypes() -> None:
     packed = cpu_quant.pack_int4(q, scales, mins)
     wide = torch.randn(2, 128).to(torch.bfloat16)
     assert torch.equal(cpu_quant.int4_mm(wide[:, ::2], *packed), cpu_quant.int4_mm(wide[:, ::2].contiguous(), *packed))
-    with pytest.raises(RuntimeError, match="bfloat16"):
+    with pytest.raises(ValueError, match="bfloat16"):
         cpu_quant.int4_mm(wide[:, :64].float(), *packed)
+    with pytest.raises(ValueError, match="64"):
+        cpu_quant.int4_mm(wide, *packed)
 
 
 def test_a_row_group_read_out_of_place_fails_the_comparison() -> None:

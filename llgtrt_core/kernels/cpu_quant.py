@@ -87,12 +87,21 @@ def _lanes_by_row(values: torch.Tensor) -> torch.Tensor:
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """x (rows, in) bfloat16 @ the packed weight's transpose, in bfloat16. x is quantized to int8
     per block of 32 (as llama.cpp's Q8_1) for the integer dot products."""
+    _check_x(x, scales.shape[1] * BLOCK)  # scales: (groups, blocks, 16)
     return torch.ops.llgtrt_cpu.int4_mm(x, packed, scales, mins)
+
+
+def _check_x(x: torch.Tensor, in_features: int) -> None:
+    """The kernels' own checks, raised here: an exception thrown out of the extension crashed the
+    process on the GPU machine's torch build (2.11)."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != in_features:
+        raise ValueError(f"x must be (rows, {in_features}) bfloat16, not {tuple(x.shape)} {x.dtype}")
 
 
 def int8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x (rows, in) bfloat16 @ (the packed int8 weight * scales (out,) bfloat16)'s transpose, in
     bfloat16, x quantized as for `int4_mm`."""
+    _check_x(x, packed.numel() // scales.numel())
     return torch.ops.llgtrt_cpu.int8_mm(x, packed, scales)
 
 
