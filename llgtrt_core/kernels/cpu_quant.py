@@ -26,7 +26,7 @@ FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel runs here: the CPU has AVX-512 VNNI and the library builds and loads."""
+    """Whether the kernels run here: the CPU has AVX-512 VNNI and the library builds and loads."""
     if not (torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()):
         return False
     from pathlib import Path
