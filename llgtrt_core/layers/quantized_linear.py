@@ -82,6 +82,13 @@ class WeightOnlyLinear(nn.Module):
     def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _take_vnni(self, weight: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether this layer runs our kernels (`vnni`), which also take more rows; after __init__."""
+        self.vnni = _vnni_fits(weight, dtype)
+        if self.vnni:
+            self.max_rows = VNNI_MAX_ROWS
+        return self.vnni
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows > self.max_rows:
@@ -102,10 +109,8 @@ class Int8Linear(WeightOnlyLinear):
         int8_weight, scales = quantize_int8(weight)
         scales = scales.to(dtype)  # the kernel takes them in the activations' dtype: round them once, for both paths
         super().__init__(int8_weight.float() * scales.float()[:, None], bias, dtype)
-        self.vnni = dtype == torch.bfloat16 and _vnni_fits(weight)
-        if self.vnni:
-            self.max_rows = VNNI_MAX_ROWS
-        self.register_buffer("int8_weight", cpu_quant.pack_int8(int8_weight) if self.vnni else int8_weight)
+        self.register_buffer("int8_weight", cpu_quant.pack_int8(int8_weight) if self._take_vnni(weight, dtype)
+                             else int8_weight)
         self.register_buffer("scales", scales)
 
     def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,11 +133,8 @@ class Int4Linear(WeightOnlyLinear):
                  groups: Optional[Int4Groups] = None):
         """groups: `weight`'s, when already quantized (`exact_int4_groups`)."""
         q, scales, low = groups if groups is not None else quantize_int4(weight)
-        vnni = dtype == torch.bfloat16 and _vnni_fits(q)
-        (self._init_vnni if vnni else self._init_aten)(q, scales, low, bias, dtype)
-        self.vnni = vnni
-        if vnni:
-            self.max_rows = VNNI_MAX_ROWS
+        (self._init_vnni if _vnni_fits(q, dtype) else self._init_aten)(q, scales, low, bias, dtype)
+        self._take_vnni(q, dtype)
 
     def _init_vnni(self, q: torch.Tensor, scales: torch.Tensor, low: torch.Tensor, bias: Optional[torch.Tensor],
                    dtype: torch.dtype) -> None:
@@ -158,10 +160,11 @@ class Int4Linear(WeightOnlyLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4_weight, INT4_GROUP, self.scales_and_zeros)
 
 
-def _vnni_fits(weight: torch.Tensor) -> bool:
-    """Whether our kernels take this (out, in) weight: whole groups of rows and blocks of inputs, on a CPU they run on."""
-    return (weight.shape[0] % cpu_quant.ROWS_PER_GROUP == 0 and weight.shape[1] % cpu_quant.BLOCK == 0
-            and cpu_quant.available())
+def _vnni_fits(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether our kernels take this (out, in) weight: bfloat16 activations, whole groups of rows and
+    blocks of inputs, on a CPU they run on."""
+    return (dtype == torch.bfloat16 and weight.shape[0] % cpu_quant.ROWS_PER_GROUP == 0
+            and weight.shape[1] % cpu_quant.BLOCK == 0 and cpu_quant.available())
 
 
 def _per_input(group_values: torch.Tensor) -> torch.Tensor:
