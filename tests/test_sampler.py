@@ -175,6 +175,30 @@ def test_rows_keep_their_state_when_the_batch_changes() -> None:
         run_step(sampler, requests, torch.randn(len(requests), VOCAB))
 
 
+def test_rows_admitted_and_moved_between_draws_reach_the_device_together() -> None:
+    """Admissions and moves wait on the host for the next draw's upload: a row moved twice, rows
+    admitted where others left, forced tokens counted before a first draw, and a penalized
+    newcomer whose (rows, vocab) state is written at once, after the moves."""
+    rng = random.Random(3)
+    sampler = BatchSampler(4, VOCAB, torch.device("cpu"), fused=True)
+    requests = [Request(SamplingParams(max_tokens=50, temperature=1.0, seed=i), [rng.randrange(VOCAB)])
+                for i in range(4)]
+    for row, request in enumerate(requests):
+        admit(sampler, row, request)
+    run_step(sampler, requests, torch.randn(4, VOCAB))
+    sampler.move(3, 2)  # request 2 leaves; 3 takes its row
+    sampler.move(2, 1)  # request 1 leaves; 3 moves again
+    forced = Request(SamplingParams(max_tokens=50, temperature=0.7, seed=11), [1, 2])
+    admit(sampler, 2, forced)
+    sampler.record_forced(2, [5, 6])
+    forced.generated += [5, 6]
+    penalized = Request(SamplingParams(max_tokens=50, temperature=1.0, seed=12, frequency_penalty=0.5), [3])
+    admit(sampler, 3, penalized)
+    requests = [requests[0], requests[3], forced, penalized]
+    for _ in range(3):
+        run_step(sampler, requests, torch.randn(4, VOCAB))
+
+
 def test_a_seeded_request_samples_the_same_alone_and_in_a_batch() -> None:
     params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, frequency_penalty=0.5)
     logits = torch.randn(5, 4, VOCAB)  # steps x rows x vocab; the request sits in row 2

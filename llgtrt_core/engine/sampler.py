@@ -5,6 +5,9 @@ sequence (row i samples logits row i): a table of per-row parameters written onc
 is admitted, and the token counts the penalties need, updated on the device after every draw. A
 step therefore applies every request's own settings in a few batched tensor ops, with no host
 copy of parameters; the host only reads back the sampled tokens (and logprobs, when asked), once.
+The rows admitted in a step reach the device together, in one upload before its draw: each
+tensor op on the engine thread lets other threads take the GIL, and at a burst of 256 arrivals
+per-row writes cost ~0.1 ms a request there (docs/benchmarks/engine.md, session 14).
 
 Pipeline of one row (docs/sampling.md): the constraint mask (given to `sample`, or already in
 the logits), then min_tokens (stop tokens masked), logit_bias, repetition / frequency /
@@ -148,6 +151,15 @@ class SampleOutput:
     logprobs: list[Optional[TokenLogprob]]  # None for rows that did not ask for logprobs
 
 
+@dataclass
+class _Admitted:
+    """A row added since the last upload: what it writes to the device state."""
+
+    table_row: list[float]
+    seed_base: int
+    generated: int = 0  # tokens forced before its first draw
+
+
 class PendingSample:
     """A step's draw queued on the device. `tokens` can feed the next forward pass before the host
     has read them; `result()` waits for the one device-to-host copy the draw started (from any
@@ -189,6 +201,9 @@ class BatchSampler:
         self._table = torch.zeros(max_rows, len(_Col), device=device)
         self._generated = torch.zeros(max_rows, dtype=torch.int32, device=device)
         self._seed_base = torch.zeros(max_rows, dtype=torch.int64, device=device)  # fused rows' noise keys
+        # Changes since the last upload (`_upload`): rows added, and rows moved (dst: its source row).
+        self._admitted: dict[int, _Admitted] = {}
+        self._moved: dict[int, int] = {}
         self._params: list[Optional[SamplingParams]] = [None] * max_rows
         self._generators: list[Optional[torch.Generator]] = [None] * max_rows
         self._fused: list[bool] = [False] * max_rows  # uses_fused_sampling of the row's params
@@ -210,11 +225,10 @@ class BatchSampler:
         self._params[row] = params
         self._generators[row] = generator
         self._fused[row] = self.fused and uses_fused_sampling(params)
-        # From pinned memory, asynchronously: a pageable copy would wait for the queued decode.
-        self._table[row].copy_(torch.tensor(_table_row(params, self._fused[row]), pin_memory=self._pinned),
-                               non_blocking=True)
-        self._generated[row] = 0
-        self._seed_base[row] = fused_seed_base(generator.initial_seed())
+        self._admitted[row] = _Admitted(_table_row(params, self._fused[row]), fused_seed_base(generator.initial_seed()))
+        # The (max_rows, vocab) state is written at once, after the moves that read its rows.
+        if self._uses_vocab_state(params):
+            self._upload_moves()
         if _uses_penalties(params) or self._output_counts is not None:
             self._output_counts = self._allocated(self._output_counts, torch.int32)
             self._output_counts[row].zero_()
@@ -236,14 +250,14 @@ class BatchSampler:
 
     @torch.inference_mode()
     def move(self, src: int, dst: int) -> None:
-        """Row `src` now lives in row `dst` (a device copy; the batch stays dense)."""
+        """Row `src` now lives in row `dst` (the batch stays dense); the device rows follow at the next upload."""
         self._params[dst], self._generators[dst] = self._params[src], self._generators[src]
         self._fused[dst] = self._fused[src]
         self._params[src] = self._generators[src] = None
-        for state in (self._table, self._generated, self._seed_base, self._output_counts, self._prompt_tokens,
-                      self._bias, self._stop_tokens):
-            if state is not None:
-                state[dst] = state[src]
+        self._admitted.pop(dst, None)  # dst's sequence left
+        if src in self._admitted:  # not uploaded yet: it moves on the host
+            self._admitted[dst] = self._admitted.pop(src)
+        self._moved[dst] = self._moved.pop(src, src)  # row src of the device state, as last uploaded
 
     def record_forced(self, row: int, token_ids: Sequence[int]) -> None:
         """Count tokens appended to `row` without a draw (a grammar forced them), as if sampled:
@@ -254,8 +268,14 @@ class BatchSampler:
 
     @torch.inference_mode()
     def _count_forced(self, row: int, token_ids: Sequence[int]) -> None:
-        self._generated[row] += len(token_ids)
+        admitted = self._admitted.get(row)
+        if admitted is not None:
+            admitted.generated += len(token_ids)
+        else:
+            self._upload_moves()
+            self._generated[row] += len(token_ids)
         if self._output_counts is not None:
+            self._upload_moves()
             ids = int64_to_device(token_ids, self.device)
             self._output_counts[row].scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
@@ -299,6 +319,7 @@ class BatchSampler:
         n = logits.shape[0]
         params: list[SamplingParams] = self._params[:n]  # type: ignore[assignment]
         fused = self._fused[:n]
+        self._upload()
         if all(fused):  # the common case: one kernel, the logits only read (fused rows ask no logprobs)
             tokens = self._sample_fused(logits, masks)
             pending = PendingSample(tokens, tokens, lambda ids: SampleOutput(ids, [None] * n))
@@ -396,6 +417,44 @@ class BatchSampler:
             return SampleOutput(ids, [lp if p.logprobs is not None else None for lp, p in zip(reported, params)])
 
         return PendingSample(tokens, logprob_table(logprobs, tokens, max(num_top)), parse)
+
+    def _uses_vocab_state(self, params: SamplingParams) -> bool:
+        return (_uses_penalties(params) or bool(params.logit_bias) or params.min_tokens > 0
+                or any(state is not None for state in self._vocab_states()))
+
+    def _vocab_states(self) -> tuple[Optional[torch.Tensor], ...]:
+        return self._output_counts, self._prompt_tokens, self._bias, self._stop_tokens
+
+    def _upload(self) -> None:
+        """Bring the device state up to date: the moves, then the rows added (which may sit where a
+        moved row was). Asynchronous copies from pinned memory: a pageable one would wait for the
+        queued decode."""
+        self._upload_moves()
+        if not self._admitted:
+            return
+        rows, admitted = list(self._admitted), list(self._admitted.values())
+        self._admitted = {}
+        index = self._to_device(rows, torch.int64)
+        self._table.index_copy_(0, index, self._to_device([a.table_row for a in admitted], torch.float32))
+        self._seed_base.index_copy_(0, index, self._to_device([a.seed_base for a in admitted], torch.int64))
+        self._generated.index_copy_(0, index, self._to_device([a.generated for a in admitted], torch.int32))
+
+    def _upload_moves(self) -> None:
+        """Every row moved since the last upload takes its source row's state, all at once."""
+        if not self._moved:
+            return
+        moved, self._moved = self._moved, {}
+        pairs = [(dst, src) for dst, src in moved.items() if dst != src]
+        if not pairs:
+            return
+        dst = self._to_device([d for d, _ in pairs], torch.int64)
+        src = self._to_device([s for _, s in pairs], torch.int64)
+        for state in (self._table, self._generated, self._seed_base, *self._vocab_states()):
+            if state is not None:
+                state[dst] = state[src]
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, pin_memory=self._pinned).to(self.device, non_blocking=True)
 
     def _record(self, tokens: torch.Tensor) -> None:
         n = tokens.shape[0]
