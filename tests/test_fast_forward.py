@@ -231,6 +231,7 @@ def test_post_processor_commits_and_returns_the_forced_run() -> None:
     compiler = GrammarCompiler(byte_tokenizer)
     try:
         compiled = asyncio.run(compiler.compile(llguidance.LLMatcher.grammar_from_regex("ab(cd|ce)f")))
+        assert compiled.start_forced == (ord("a"), ord("b"), ord("c"))  # found once, at compile
         constraint = compiler.new_constraint(compiled)
         assert processor.commit_with_forced(constraint, None, limit=1) == [ord("a")]  # cut to the limit
         assert processor.commit_with_forced(constraint, None, limit=5) == [ord("b"), ord("c")]

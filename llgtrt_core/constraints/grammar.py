@@ -79,16 +79,20 @@ class CompiledGrammar:
     grammar: str
     matcher: LLMatcher = field(repr=False)  # template at the start state; never advanced
     warnings: tuple[str, ...] = ()
+    # The tokens it forces before anything is sampled (a JSON schema's `{"`), found once here
+    # rather than for every request as it is admitted; None: not known.
+    start_forced: Optional[tuple[int, ...]] = None
 
 
 class GrammarConstraint:
     """One request's matcher state; implements the engine's `Constraint` protocol."""
 
-    __slots__ = ("matcher", "grammar", "param", "error", "loop_guard")
+    __slots__ = ("matcher", "grammar", "param", "error", "loop_guard", "start_forced")
 
     def __init__(self, matcher: LLMatcher, grammar: str = "", param: Optional[str] = None,
-                 loop_guard: Optional[LoopGuard] = None) -> None:
+                 loop_guard: Optional[LoopGuard] = None, start_forced: Optional[tuple[int, ...]] = None) -> None:
         self.matcher = matcher
+        self.start_forced = start_forced  # CompiledGrammar.start_forced, while the matcher is at its start
         self.grammar = grammar  # the text, for engines that rebuild the matcher in another process
         self.param = param  # the request field the grammar came from, named when it fails mid-generation
         self.error: Optional[str] = None  # a plain attribute: read for every row of every step
@@ -215,7 +219,7 @@ class GrammarCompiler:
     def new_constraint(self, compiled: CompiledGrammar, param: Optional[str] = None, *,
                        loop_guard: Optional[LoopGuardSettings] = None) -> GrammarConstraint:
         guard = LoopGuard(loop_guard) if loop_guard is not None else None
-        return GrammarConstraint(compiled.matcher.deep_copy(), compiled.grammar, param, guard)
+        return GrammarConstraint(compiled.matcher.deep_copy(), compiled.grammar, param, guard, compiled.start_forced)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -249,5 +253,16 @@ class GrammarCompiler:
         warnings = tuple(matcher.get_grammar_warnings())
         if warnings:
             logger.info("grammar warnings: %s", "; ".join(warnings))
-        return CompiledGrammar(grammar, matcher, warnings)
+        return CompiledGrammar(grammar, matcher, warnings, _start_forced(matcher))
+
+
+def _start_forced(template: LLMatcher) -> Optional[tuple[int, ...]]:
+    """The tokens `template` forces at its start (None if that fails: each request then finds
+    out, and ends with the error)."""
+    try:
+        matcher = template.deep_copy()
+        forced = matcher.compute_ff_tokens()
+    except Exception:
+        return None
+    return None if matcher.is_error() else tuple(forced)
 

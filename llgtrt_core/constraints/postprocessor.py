@@ -126,8 +126,10 @@ class MaskPostProcessor:
         grammar: GrammarConstraint = constraint  # type: ignore[assignment]
         if grammar.error is not None or (token is not None and not self._consume_one(grammar, token)):
             return []
+        start, grammar.start_forced = grammar.start_forced, None  # known at the matcher's start only
         try:
-            forced = grammar.matcher.compute_ff_tokens()[:max(limit, 0)]
+            forced = list(start if token is None and start is not None else grammar.matcher.compute_ff_tokens())
+            forced = forced[:max(limit, 0)]
             forced = forced[:next((i for i, t in enumerate(forced) if t in stop_token_ids), len(forced))]
             if forced and not grammar.matcher.consume_tokens(forced):
                 self._reject(grammar, forced[0])
