@@ -164,9 +164,12 @@ class EscapeMasks:
         self.newlines = _mask_row([t for t, text in enumerate(token_texts) if "\n" in text], words)
         string_closers = [t for t in string_enders if _CONTAINER_CLOSERS & set(stripped[t])]
         container_closers = [*(t for t in value_enders if "," not in stripped[t]), *eos_tokens]
-        # The escape classes by index, in the orders `_classes_to_try` gives.
-        self.classes = [_mask_row(container_closers, words), _mask_row([*value_enders, *eos_tokens], words),
-                        _mask_row(string_closers, words), _mask_row(string_enders, words)]
+        # The escape classes by index, in the orders `_classes_to_try` gives: each a few dozen
+        # tokens, kept as the mask words that hold them and those words' bits.
+        classes = [_mask_row(container_closers, words), _mask_row([*value_enders, *eos_tokens], words),
+                   _mask_row(string_closers, words), _mask_row(string_enders, words)]
+        self.class_words = [np.flatnonzero(row) for row in classes]
+        self.class_bits = [row[columns] for row, columns in zip(classes, self.class_words)]
         self._string_order, self._container_order, self._value_loop_order = (2, 3), (0,), (0, 1, 2, 3)
 
     @classmethod
@@ -181,13 +184,15 @@ class EscapeMasks:
     def narrow(self, masks: torch.Tensor, rows: Sequence[int], structural: Sequence[bool]) -> list[bool]:
         """Narrow each host mask masks[rows[i]] in place to the first escape class the grammar
         allows a token of there; whether it was. One batch of array ops per class tried, over all
-        the rows trying it: near the length limit every row steers every step (one row at a time,
-        ~10 small torch ops cost ~50 us). numpy, single-threaded: a torch op this large would
-        start an OpenMP team, which stalls at its barrier on cores the mask fill's threads hold."""
+        the rows trying it, on the few mask words a class holds: near the length limit every row
+        steers every step. numpy, single-threaded: a torch op this large would start an OpenMP
+        team, which stalls at its barrier on cores the mask fill's threads hold."""
         host = masks.numpy()
-        selected = host[list(rows)]
-        in_string = (selected & self.words).any(1).tolist()  # or free text
-        free_text = (selected & self.newlines).any(1).tolist()
+        rows = list(rows)
+        # A run of rows is a view; the words and newline tests read every word of each mask.
+        selected = host[rows[0]:rows[-1] + 1] if rows == list(range(rows[0], rows[-1] + 1)) else host[rows]
+        in_string = _any_common_bit(selected, self.words)  # or free text
+        free_text = _any_common_bit(selected, self.newlines)
         orders = [self._classes_to_try(string, free, loop_over_items)
                   for string, free, loop_over_items in zip(in_string, free_text, structural)]
         narrowed = [False] * len(rows)
@@ -198,10 +203,13 @@ class EscapeMasks:
                 by_class.setdefault(orders[i][depth], []).append(i)
             trying = []
             for escape, members in by_class.items():
-                candidates = selected[members] & self.classes[escape]
-                allowed = candidates.any(1)
-                allowed_list = allowed.tolist()
-                host[[rows[i] for i, ok in zip(members, allowed_list) if ok]] = candidates[allowed]
+                columns = self.class_words[escape]
+                candidates = selected[np.ix_(members, columns)] & self.class_bits[escape]
+                allowed_list = candidates.any(1).tolist()
+                kept = [rows[i] for i, ok in zip(members, allowed_list) if ok]
+                if kept:
+                    host[kept] = 0
+                    host[np.ix_(kept, columns)] = candidates[np.array(allowed_list)]
                 for i, ok in zip(members, allowed_list):
                     if ok:
                         narrowed[i] = True
@@ -240,6 +248,11 @@ def steer_loops(rows: Sequence[ConstrainedRow], masks: torch.Tensor, escapes: Es
     narrowed = escapes.narrow(masks, [j for j, _, _ in steering], [structural for _, _, structural in steering])
     for (_, guard, structural), done in zip(steering, narrowed):
         guard.steered(done, structural)
+
+
+def _any_common_bit(rows: np.ndarray, mask: np.ndarray) -> list[bool]:
+    """Per row of `rows`, whether it shares a bit with `mask`."""
+    return np.bitwise_and(rows, mask).any(1).tolist()
 
 
 def _made_of(text: str, chars: frozenset) -> bool:
