@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 class StepFill:
     rows: list[Optional[ConstrainedRow]]  # buffer row j's logits row now; None: its sequence left
     futures: list[Future]  # the fills on the worker thread, in buffer order; none when no row is constrained
+    num_ahead: int = 0  # the first rows, filled by the fill begun ahead (it committed their tokens)
 
     def error(self) -> Optional[BaseException]:
         """Wait for the fills; the first exception one raised, if any."""
@@ -109,21 +110,20 @@ class ConstraintStage:
             futures.append(future)
         index = {id(seq.request.constraint): i for i, seq in enumerate(running) if seq.request.constraint is not None}
         placed: list[Optional[ConstrainedRow]] = []
-        for row in ahead_rows:
+        for row in ahead_rows:  # mostly still where they were: the same row (its new_token is None)
             now = index.pop(id(row.constraint), None)
-            placed.append(None if now is None else ConstrainedRow(row.constraint, now, None))
+            placed.append(row if now == row.row else None if now is None else ConstrainedRow(row.constraint, now, None))
         rows = [ConstrainedRow(running[i].request.constraint, i, running[i].uncommitted_token) for i in index.values()]
         if rows and self._pool is not None:
             futures.append(self._pool.submit(self.post_processor.fill, rows, len(ahead_rows)))
-        return StepFill(placed + rows, futures)
+        return StepFill(placed + rows, futures, len(placed))
 
     def masks(self, fill: StepFill, running: Seq[Sequence], stream: Optional[torch.cuda.Stream]
               ) -> Optional[DeviceMasks]:
         """The step's masks on the device, for the sampler to apply; None when no row is constrained
         or the fill failed (its rows then end with an error, the others go on unmasked)."""
-        for row in fill.rows:
-            if row is not None:
-                running[row.row].uncommitted_token = None
+        for row in fill.rows[fill.num_ahead:]:  # the fill begun ahead committed its rows' tokens itself
+            running[row.row].uncommitted_token = None
         error = fill.error()
         if error is not None:
             logger.error("mask fill failed", exc_info=error)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Literal, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import AsyncIterator, Literal, Mapping, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -82,9 +82,9 @@ class Constraint(Protocol):
     def error(self) -> Optional[str]: ...
 
 
-@dataclass(frozen=True)
-class ConstrainedRow:
-    """One constrained sequence in this step's logits."""
+class ConstrainedRow(NamedTuple):
+    """One constrained sequence in this step's logits (a tuple: at batch 256 a step makes
+    hundreds, and a frozen dataclass took 0.7 us each to build)."""
 
     constraint: Constraint
     row: int  # index into the step's logits
