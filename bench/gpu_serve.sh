@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
 # Sourced at the start of a device call (docs/benchmarks/engine.md): installs the service's missing
 # wheels (.serve_whl/, ignored by git), stores the random-weight Llama-3-8B model
-# (bench/random_checkpoint.py) and starts `bentoml serve .` on it at 127.0.0.1:3000 (log: $OUT/server.log).
+# (bench/random_checkpoint.py) and starts `bentoml serve .` on it at 127.0.0.1:3000 (log: $OUT/server.log),
+# unless a server left by an earlier call on the same warm machine still answers there.
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .serve_whl/*.whl || return 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH BENTOML_HOME=/tmp/llama-home BENTOML_DO_NOT_TRACK=true
 export PYTHONUNBUFFERED=1
+SERVER="http://127.0.0.1:3000"
+if curl -sf "$SERVER/readyz" > /dev/null; then
+    SERVER_GROUP=$(cat /tmp/server.pgid)  # `kill -- -$SERVER_GROUP` stops it
+    echo "server still up since an earlier call (process group $SERVER_GROUP)"
+    return 0
+fi
 [ -d /tmp/llama-home/models/llama3-8b-random ] || python3 bench/random_checkpoint.py || return 1
 LLGTRT_MODEL=llama3-8b-random LLGTRT_MAX_BATCH_SIZE=${MAX_BATCH:-256} LLGTRT_MAX_MODEL_LEN=2048 \
-    setsid bentoml serve . --host 127.0.0.1 --port 3000 > "${OUT:-/tmp}/server.log" 2>&1 &
-SERVER="http://127.0.0.1:3000" SERVER_GROUP=$!  # `kill -- -$SERVER_GROUP` stops it
+    setsid bentoml serve . --host 127.0.0.1 --port 3000 > /tmp/server.log 2>&1 &
+SERVER_GROUP=$!  # `kill -- -$SERVER_GROUP` stops it
+echo $SERVER_GROUP > /tmp/server.pgid
 for _ in $(seq 300); do curl -sf "$SERVER/readyz" > /dev/null && break; sleep 1; done
-curl -sf "$SERVER/readyz" > /dev/null || { tail -50 "${OUT:-/tmp}/server.log"; return 1; }
+curl -sf "$SERVER/readyz" > /dev/null || { tail -50 /tmp/server.log; return 1; }
 echo "server ready: $(date -u +%H:%M:%S)"

@@ -180,7 +180,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20, help="per window")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--max-schema-chars", type=int, default=1000)
+    parser.add_argument("--max-schema-chars", type=int, default=0, help="0: the whole pool")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="MaskBench folder or a .jsonl.gz pool")
     parser.add_argument("--seed", type=int, default=None, help="schema draw (default: random, printed)")
     parser.add_argument("--compile-budget", type=float, default=300)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 15's measurements on the device machine, in stages that each fit one call (10 minutes);
+# a server started by one call serves the next while the machine stays warm.
+#   bash bench/gpu_run.sh tbt http engine tests
+#   tbt     constrained_tbt: batch 1, 8, 64, 128, 256 x 3 rounds, then batch 256 x 6 rounds, each with a
+#           random seed over the whole MaskBench pool (.serve_whl/maskbench_pool.jsonl.gz)
+#   http    http_load: 256 streams for 30 s, 256 tokens each
+#   engine  stops the server; engine_decode at batch 1 and 256 (the engine alone, and the roofline)
+#   tests   the GPU tests of the engine, the constraint stage and the mask kernel
+# Everything lands in $OUT (the server's log as server.log).
+set -u
+source bench/gpu_serve.sh || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(git diff --quiet 2>/dev/null || echo '+ changes')"
+D=.serve_whl/maskbench_pool.jsonl.gz
+for stage in "$@"; do
+    echo "== $stage $(date -u +%H:%M:%S)"
+    case $stage in
+    tbt)
+        python3 bench/constrained_tbt.py --url $SERVER --batch 1,8,64,128,256 --rounds 3 --max-tokens 64 \
+            --data $D --json $OUT/constrained_tbt_sweep.json
+        python3 bench/constrained_tbt.py --url $SERVER --batch 256 --rounds 6 --max-tokens 64 \
+            --data $D --json $OUT/constrained_tbt_256.json ;;
+    http)
+        python3 bench/http_load.py --url $SERVER --clients 256 --seconds 30 --max-tokens 256 --json $OUT/http_load.json ;;
+    engine)
+        kill -- -$SERVER_GROUP; sleep 5
+        python3 bench/engine_decode.py --batches 1 256 --hf-batches --out $OUT ;;
+    tests)
+        python3 -m pytest -q -x tests/test_engine_gpu.py tests/test_scheduler.py tests/test_constraint_stage.py \
+            tests/test_sampler.py tests/test_mask_kernel.py 2>&1 | tail -5 ;;
+    esac
+done
+cp /tmp/server.log $OUT/server.log 2>/dev/null
+echo "== done $(date -u +%H:%M:%S)"
