@@ -204,14 +204,15 @@ def stats(results: list[StreamResult], waves: list[list[StreamResult]]) -> dict[
 
 async def measure_batch(client: httpx.AsyncClient, pool: ClientProcesses, url: str, model: str, batch: int,
                         rounds: int, schemas: list[tuple[str, dict[str, Any]]], max_tokens: int) -> dict[str, Any]:
-    picked = [schemas[i % len(schemas)][1] for i in range(batch)]
-    plain = [chat_body(model, s, max_tokens, constrained=False) for s in picked]
-    constrained = [chat_body(model, s, max_tokens, constrained=True) for s in picked]
     waves: dict[bool, list[list[StreamResult]]] = {False: [], True: []}
     engine: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     mask_before = await mask_fill(client, url)
     # Batch 1's TTFT overhead is the goal resolved there: more than a few samples of it.
     for round_index in range(rounds if batch > 1 else max(rounds, BATCH1_ROUNDS)):
+        # Each round takes the next `batch` schemas: batch 1 does not rest on one schema's answer length.
+        picked = [schemas[(round_index * batch + i) % len(schemas)][1] for i in range(batch)]
+        plain = [chat_body(model, s, max_tokens, constrained=False) for s in picked]
+        constrained = [chat_body(model, s, max_tokens, constrained=True) for s in picked]
         for is_constrained in ((False, True) if round_index % 2 == 0 else (True, False)):
             before, started = await engine_stats(client, url), time.perf_counter()
             waves[is_constrained].append((await pool.run(url, constrained if is_constrained else plain))[0])
