@@ -95,3 +95,41 @@ def test_helper_threads_compute_every_group_once_and_the_same() -> None:
                 assert torch.equal(cpu_quant.int8_mm(x, *int8), want8)
     finally:
         cpu_quant.set_threads(1)
+
+
+def test_two_callers_at_once_each_get_their_own_result() -> None:
+    """Two threads calling the kernels at the same time with helpers on (the compile thread warms its
+    graphs up while the engine thread serves): each gets its own matmul's result bit for bit. One
+    caller at a time shares the chunks with the helpers; with both on one job the helpers ran one
+    caller's chunks with the other's weights and the process died (SIGSEGV)."""
+    import threading
+
+    from llgtrt_core.layers.quantized_linear import quantize_int8
+
+    torch.manual_seed(2)
+    int4 = cpu_quant.pack_int4(*quantize_int4(torch.randn(3072, 576) * 0.05))
+    weight, scales = quantize_int8(torch.randn(1536, 1152))
+    int8 = (cpu_quant.pack_int8(weight), scales.to(torch.bfloat16))
+    calls = [(lambda x: cpu_quant.int4_mm(x, *int4), torch.randn(3, 576).to(torch.bfloat16)),
+             (lambda x: cpu_quant.int8_mm(x, *int8), torch.randn(5, 1152).to(torch.bfloat16))]
+    alone = [mm(x) for mm, x in calls]
+    mismatches = [0, 0]
+    start = threading.Barrier(2)
+
+    def caller(index: int) -> None:
+        mm, x = calls[index]
+        start.wait()
+        for _ in range(300):
+            mismatches[index] += not torch.equal(mm(x), alone[index])
+
+    cpu_quant.set_threads(2)
+    try:
+        threads = [threading.Thread(target=caller, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads), "a caller hung"
+    finally:
+        cpu_quant.set_threads(1)
+    assert mismatches == [0, 0]

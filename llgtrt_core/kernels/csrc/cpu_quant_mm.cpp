@@ -156,9 +156,14 @@ class WorkSharing {
     while (static_cast<int64_t>(helpers_.size()) < threads_ - 1) helpers_.emplace_back([this] { help(); }).detach();
   }
 
-  // f(chunk) for every chunk in [0, chunks), on the caller and whichever helpers join in.
+  // f(chunk) for every chunk in [0, chunks), on the caller and whichever helpers join in. One caller
+  // at a time shares: a second thread's matmul meanwhile (the compile thread warming up its graphs
+  // while the engine thread serves) runs on that thread alone. Two callers on the one job_ and
+  // state_ had the helpers run one caller's chunks with the other's function: the engine process
+  // died of SIGSEGV (session 15).
   void run(int64_t chunks, const std::function<void(int64_t)>& f) {
-    if (threads_ == 1 || chunks < 2) {
+    std::unique_lock<std::mutex> sharing(run_, std::try_to_lock);
+    if (!sharing.owns_lock() || threads_ == 1 || chunks < 2) {
       for (int64_t c = 0; c < chunks; ++c) f(c);
       return;
     }
@@ -213,7 +218,7 @@ class WorkSharing {
   std::atomic<int64_t> done_{0};
   const std::function<void(int64_t)>* job_ = nullptr;
   std::atomic<bool> sleeping_{false};
-  std::mutex wake_, spawn_;
+  std::mutex wake_, spawn_, run_;
   std::condition_variable woken_;
   std::vector<std::thread> helpers_;
 };
