@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -192,3 +193,39 @@ def test_engine_switches_to_the_compiled_step(compiled, stored_model_dir: Path, 
     for text in constrained:
         answer = json.loads(text)
         assert answer["city"] in ("Paris", "London") and 1000 <= answer["year"] <= 2100
+
+
+def test_engine_serves_while_it_compiles(stored_model_dir: Path, prompts) -> None:
+    """Waves of requests while the engine's own compile runs: its eager steps beside the compile
+    thread's traces (compiled_decode.TRACING) and warm-up runs, both on our kernels' helper threads
+    (session 15: a NameError failed a step's requests, a SIGSEGV killed the engine process). Every
+    request ends normally, the compile finishes, and the engine then serves compiled."""
+    async def collect(engine: TorchEngine, request: GenerationRequest) -> tuple[Optional[str], int]:
+        tokens, reason = 0, None
+        async for delta in engine.generate(request):
+            tokens += len(delta.token_ids)
+            reason = delta.finish_reason or reason
+        return reason, tokens
+
+    async def scenario() -> tuple[list[tuple[Optional[str], int]], bool]:
+        engine = TorchEngine(stored_model_dir, TorchEngineConfig(device="cpu", max_batch_size=4, cpu_compile=True))
+        await engine.start()
+        try:
+            compiled_decode = engine.runner.compiled_decode
+            ended, wave = [], 0
+            while not compiled_decode.ready.is_set() and compiled_decode._thread.is_alive():
+                ended += await asyncio.gather(*(collect(engine, GenerationRequest(
+                    f"w{wave}r{i}", prompts[i % len(prompts)],
+                    SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=EOS))) for i in range(4)))
+                wave += 1
+            assert await asyncio.to_thread(compiled_decode.wait, COMPILE_TIMEOUT_S)
+            ended += [await collect(engine, GenerationRequest("after", prompts[0], SamplingParams(
+                max_tokens=8, temperature=0.0, stop_token_ids=EOS)))]
+            return ended, compiled_decode.layers_decode() is not None
+        finally:
+            await engine.shutdown()
+
+    ended, compiled_in_the_end = asyncio.run(scenario())
+    assert compiled_in_the_end
+    assert len(ended) > 4, "no wave ran during the compile"
+    assert all(reason in ("stop", "length") and tokens > 0 for reason, tokens in ended), ended

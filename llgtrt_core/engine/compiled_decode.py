@@ -21,6 +21,7 @@ what differs is fused float32 arithmetic, within tolerances tests/test_compiled_
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -52,6 +53,33 @@ GEMM_TEMPLATE_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_ge
 # graph of their own, warmed up at its most rows, so that autotuning keeps the template there and
 # the aten kernel below.
 TEMPLATE_MIN_ROWS = 5
+
+
+# torch.fx's Tracer.trace patches torch.nn.Module.__call__ and __getattr__ for every thread while it
+# runs (AOTAutograd's make_fx and inductor's pattern passes trace with it), so a module another thread
+# calls meanwhile is traced too: the eager step serving on the engine thread during the compile
+# failed with a NameError ("module is not installed as a submodule") or crashed the engine process
+# (SIGSEGV; session 15, a completion-rate run in the compile's first minutes). Every trace holds
+# TRACING (`hold_tracing_lock`), and the engine thread holds it for each step while a compile runs
+# (`CompiledDecode.exclusive`). Reentrant: a trace may start another.
+TRACING = threading.RLock()
+
+
+def hold_tracing_lock() -> None:
+    """Make every torch.fx trace in this process hold TRACING (once; later calls change nothing)."""
+    from torch.fx._symbolic_trace import Tracer  # torch.fx is imported by torch.compile anyway
+
+    if getattr(Tracer.trace, "holds_tracing_lock", False):
+        return
+    trace = Tracer.trace
+
+    @functools.wraps(trace)
+    def trace_holding_lock(self, *args, **kwargs):
+        with TRACING:
+            return trace(self, *args, **kwargs)
+
+    trace_holding_lock.holds_tracing_lock = True
+    Tracer.trace = trace_holding_lock
 
 
 class WarmUp(NamedTuple):
@@ -105,6 +133,7 @@ class CompiledDecode:
         self.ready = threading.Event()
         self._compiled: Optional[LayersDecode] = None
         self._thread: Optional[threading.Thread] = None
+        self._compiling = False
         self._threads = 1
 
     def start(self) -> None:
@@ -113,6 +142,8 @@ class CompiledDecode:
         self._threads = torch.get_num_threads()
         if self.gemm_templates and self.prompt_threads > self._threads:
             self.idle_cores.start()
+        hold_tracing_lock()
+        self._compiling = True
         self._thread = threading.Thread(target=self._compile, name="cpu-compile", daemon=True)
         self._thread.start()
 
@@ -120,6 +151,11 @@ class CompiledDecode:
         """Whether the compile finished and succeeded within `timeout` seconds (tests, benchmarks)."""
         self._thread.join(timeout)
         return self.ready.is_set()
+
+    def exclusive(self):
+        """What the engine thread holds around a step: TRACING while the compile runs (see there),
+        then nothing."""
+        return TRACING if self._compiling else contextlib.nullcontext()
 
     def layers_decode(self) -> Optional[LayersDecode]:
         """`LlamaForCausalLM.decode`'s layers_decode once compiled, else None (eager); a step that
@@ -172,6 +208,8 @@ class CompiledDecode:
         except Exception:  # no C++ compiler, an unsupported op: the eager step goes on serving
             logger.exception("compiling the cpu decode step failed; it stays eager")
             return
+        finally:
+            self._compiling = False
         self.ready.set()
         logger.info("compiled the cpu decode step in %.1f s", time.perf_counter() - started)
 

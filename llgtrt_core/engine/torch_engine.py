@@ -30,6 +30,7 @@ step will admit a prompt nothing is queued ahead: that step decodes and prefills
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import queue
@@ -341,7 +342,8 @@ class TorchEngine(Engine):
                 self._deliver()
                 continue
             try:
-                with torch.inference_mode():  # the post-processor and sampler edit logits in place
+                # Inference mode: the post-processor and sampler edit logits in place.
+                with torch.inference_mode(), self._exclusive():
                     self._step()
             except Exception as exc:  # a broken step must not kill the server: fail what was in it
                 logger.exception("engine step failed")
@@ -358,6 +360,12 @@ class TorchEngine(Engine):
             seq.emit(TokenDelta(finish_reason="abort"))
         scheduler.waiting.clear()
         self._deliver()
+
+    def _exclusive(self) -> contextlib.AbstractContextManager:
+        """Held around each step: while the CPU decode step compiles, no trace of it may run
+        (compiled_decode.TRACING)."""
+        compiled = self.runner.compiled_decode
+        return compiled.exclusive() if compiled is not None else contextlib.nullcontext()
 
     def _deliver(self) -> None:
         """Hand the step's deltas on in one batch (see `_deliver_to_event_loops` for why)."""
