@@ -213,7 +213,7 @@ def test_engine_serves_while_it_compiles(stored_model_dir: Path, prompts) -> Non
         try:
             compiled_decode = engine.runner.compiled_decode
             ended, wave = [], 0
-            while not compiled_decode.ready.is_set() and compiled_decode._thread.is_alive():
+            while compiled_decode.compiling:
                 ended += await asyncio.gather(*(collect(engine, GenerationRequest(
                     f"w{wave}r{i}", prompts[i % len(prompts)],
                     SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=EOS))) for i in range(4)))

@@ -63,6 +63,7 @@ TEMPLATE_MIN_ROWS = 5
 # TRACING (`hold_tracing_lock`), and the engine thread holds it for each step while a compile runs
 # (`CompiledDecode.exclusive`). Reentrant: a trace may start another.
 TRACING = threading.RLock()
+NO_LOCK = contextlib.nullcontext()  # what a step holds once the compile is over (reusable)
 
 
 def hold_tracing_lock() -> None:
@@ -133,7 +134,6 @@ class CompiledDecode:
         self.ready = threading.Event()
         self._compiled: Optional[LayersDecode] = None
         self._thread: Optional[threading.Thread] = None
-        self._compiling = False
         self._threads = 1
 
     def start(self) -> None:
@@ -143,7 +143,6 @@ class CompiledDecode:
         if self.gemm_templates and self.prompt_threads > self._threads:
             self.idle_cores.start()
         hold_tracing_lock()
-        self._compiling = True
         self._thread = threading.Thread(target=self._compile, name="cpu-compile", daemon=True)
         self._thread.start()
 
@@ -152,10 +151,14 @@ class CompiledDecode:
         self._thread.join(timeout)
         return self.ready.is_set()
 
-    def exclusive(self):
+    @property
+    def compiling(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def exclusive(self) -> contextlib.AbstractContextManager:
         """What the engine thread holds around a step: TRACING while the compile runs (see there),
         then nothing."""
-        return TRACING if self._compiling else contextlib.nullcontext()
+        return TRACING if self.compiling else NO_LOCK
 
     def layers_decode(self) -> Optional[LayersDecode]:
         """`LlamaForCausalLM.decode`'s layers_decode once compiled, else None (eager); a step that
@@ -208,8 +211,6 @@ class CompiledDecode:
         except Exception:  # no C++ compiler, an unsupported op: the eager step goes on serving
             logger.exception("compiling the cpu decode step failed; it stays eager")
             return
-        finally:
-            self._compiling = False
         self.ready.set()
         logger.info("compiled the cpu decode step in %.1f s", time.perf_counter() - started)
 

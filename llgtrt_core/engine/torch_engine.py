@@ -30,7 +30,6 @@ step will admit a prompt nothing is queued ahead: that step decodes and prefills
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import queue
@@ -45,7 +44,7 @@ import torch
 
 from llgtrt_core import metrics
 from llgtrt_core.engine.constraint_stage import ConstraintStage
-from llgtrt_core.engine.compiled_decode import CompiledDecode
+from llgtrt_core.engine.compiled_decode import NO_LOCK, CompiledDecode
 from llgtrt_core.engine.decode_graphs import DecodeGraphs
 from llgtrt_core.engine.dry import apply_dry
 from llgtrt_core.engine.interface import (
@@ -333,6 +332,7 @@ class TorchEngine(Engine):
     @torch.inference_mode()  # aborts move cache rows too: tensors grown in a step are inference tensors
     def _loop(self) -> None:
         scheduler = self.scheduler
+        compiled = self.runner.compiled_decode  # on the CPU: its compile and the steps take turns
         while True:
             if not self._drain_commands(block=scheduler.idle()):
                 break
@@ -343,7 +343,7 @@ class TorchEngine(Engine):
                 continue
             try:
                 # Inference mode: the post-processor and sampler edit logits in place.
-                with torch.inference_mode(), self._exclusive():
+                with torch.inference_mode(), compiled.exclusive() if compiled is not None else NO_LOCK:
                     self._step()
             except Exception as exc:  # a broken step must not kill the server: fail what was in it
                 logger.exception("engine step failed")
@@ -360,12 +360,6 @@ class TorchEngine(Engine):
             seq.emit(TokenDelta(finish_reason="abort"))
         scheduler.waiting.clear()
         self._deliver()
-
-    def _exclusive(self) -> contextlib.AbstractContextManager:
-        """Held around each step: while the CPU decode step compiles, no trace of it may run
-        (compiled_decode.TRACING)."""
-        compiled = self.runner.compiled_decode
-        return compiled.exclusive() if compiled is not None else contextlib.nullcontext()
 
     def _deliver(self) -> None:
         """Hand the step's deltas on in one batch (see `_deliver_to_event_loops` for why)."""
