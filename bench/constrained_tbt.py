@@ -1,14 +1,15 @@
 """Constrained against unconstrained decoding through the HTTP server: TBT and TTFT by batch size.
 
 Requests are built from MaskBench schemas (../shared/data/maskbench): the prompt asks for a JSON
-object and quotes the schema, and the constrained request adds it as
-`response_format: {"type": "json_schema", ...}`; otherwise the two are the same request (same
-prompt, max_tokens, greedy). Schemas are drawn from the whole pool (any size, unless
---max-schema-chars says otherwise) in an order shuffled by --seed (random by default, and printed), and kept when the server
-compiles them (a 400 means it refused one); these first requests (max_tokens 1) pay for the
-compile, which is reported apart as the first-sight TTFT (each after the same prompt unconstrained,
-which warms the server up for its shapes), and they leave the grammars in the
-server's cache, as a schema that many requests share would be.
+object and quotes the schema's first 1,000 characters, and the constrained request adds the whole
+schema as `response_format: {"type": "json_schema", ...}`; otherwise the two are the same request
+(same prompt, max_tokens, greedy). Schemas are drawn from the whole pool (any size, unless
+--max-schema-chars says otherwise) in an order shuffled by --seed (random by default, and printed),
+and kept when the server compiles them (a 400 means it refused one); these first requests
+(max_tokens 1) pay for the compile, which is reported apart as the first-sight TTFT (each after the
+same prompt unconstrained, which warms the server up for its shapes), and they leave the grammars
+in the server's cache, as a schema that many requests share would be. Each round takes the next
+schemas of the draw.
 
 For each --batch B, each round sends B unconstrained requests at once and B constrained ones at
 once (which goes first alternates by round, so a shared machine's drift hits both alike). TBT is

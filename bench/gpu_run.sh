@@ -11,7 +11,6 @@
 set -u
 source bench/gpu_serve.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(git diff --quiet 2>/dev/null || echo '+ changes')"
 D=.serve_whl/maskbench_pool.jsonl.gz
 for stage in "$@"; do
     echo "== $stage $(date -u +%H:%M:%S)"
@@ -22,7 +21,8 @@ for stage in "$@"; do
         python3 bench/constrained_tbt.py --url $SERVER --batch 256 --rounds 6 --max-tokens 64 \
             --data $D --json $OUT/constrained_tbt_256.json ;;
     http)
-        python3 bench/http_load.py --url $SERVER --clients 256 --seconds 30 --max-tokens 256 --json $OUT/http_load.json ;;
+        python3 bench/http_load.py --url $SERVER --clients 256 --seconds 30 --max-tokens 256 \
+            --json $OUT/http_load.json ;;
     engine)
         kill -- -$SERVER_GROUP; sleep 5
         python3 bench/engine_decode.py --batches 1 256 --hf-batches --out $OUT ;;

@@ -4,7 +4,8 @@
 # Llama-3-8B model (bench/random_checkpoint.py) and starts `bentoml serve .` on it at 127.0.0.1:3000
 # (log: /tmp/server.log; bench/gpu_run.sh copies it to $OUT), unless a server left by an earlier call
 # on the same warm machine still answers there.
-[ -d /tmp/site/bentoml ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .serve_whl/*.whl || return 1
+[ -d /tmp/site/bentoml ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    .serve_whl/*.whl || return 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH BENTOML_HOME=/tmp/llama-home BENTOML_DO_NOT_TRACK=true
 export PYTHONUNBUFFERED=1
 SERVER="http://127.0.0.1:3000"
