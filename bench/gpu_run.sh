@@ -7,6 +7,8 @@
 #   http    http_load: 256 streams for 30 s, 256 tokens each
 #   engine  stops the server; engine_decode at batch 1 and 256 (the engine alone, and the roofline)
 #   tests   the GPU tests of the engine, the constraint stage and the mask kernel
+#   threads batch 256 x 6 rounds on one random seed against a server restarted for each mask-fill pool
+#           size in $MASK_THREADS_LIST (default "default 8 4"; "default": llguidance's), each with a step log
 # Everything lands in $OUT (the server's log as server.log).
 set -u
 source bench/gpu_serve.sh || exit 1
@@ -26,6 +28,16 @@ for stage in "$@"; do
     engine)
         kill -- -$SERVER_GROUP; sleep 5
         python3 bench/engine_decode.py --batches 1 256 --hf-batches --out $OUT ;;
+    threads)
+        SEED=$(python3 -c 'import random; print(random.randrange(2**31))')
+        for T in ${MASK_THREADS_LIST:-default 8 4}; do
+            kill -- -$SERVER_GROUP 2>/dev/null; sleep 5
+            export LLGTRT_MASK_THREADS=${T#default} LLGTRT_STEP_LOG=$OUT/steps_$T.jsonl
+            source bench/gpu_serve.sh || exit 1
+            python3 bench/constrained_tbt.py --url $SERVER --batch 256 --rounds 6 --max-tokens 64 --seed $SEED \
+                --data $D --json $OUT/constrained_tbt_threads_$T.json | grep -v "^|"
+        done
+        unset LLGTRT_MASK_THREADS LLGTRT_STEP_LOG ;;
     tests)
         python3 -m pytest -q -x tests/test_engine_gpu.py tests/test_scheduler.py tests/test_constraint_stage.py \
             tests/test_sampler.py tests/test_mask_kernel.py 2>&1 | tail -5 ;;

@@ -181,10 +181,18 @@ class LlguidanceConfig:
     log_level: int = option(0, "llguidance's own logging to stderr: 0 silent, 1 warnings, 2 verbose.")
     grammar_cache_size: int = option(256, "Compiled grammars kept, by grammar text.")
     compile_threads: Optional[int] = option(None, "Threads compiling grammars; null: min(4, cores).")
+    mask_threads: Optional[int] = option(None, "Threads committing tokens and computing masks for a step's "
+                                               "constrained rows (llguidance's pool); null: 80% of the cores, "
+                                               "at most 32. Env LLGTRT_MASK_THREADS.")
     whitespace_flexible: bool = option(False, "JSON schemas: allow free whitespace between JSON tokens by "
                                               "default (a request's whitespace_pattern overrides it).")
     loop_guard: LoopGuardConfig = option(LoopGuardConfig(), "Loop-aware constrained decoding.")
     number_bounds: NumberBoundsConfig = option(NumberBoundsConfig(), "Default bounds on JSON numbers.")
+
+    def __post_init__(self) -> None:
+        for key in ("compile_threads", "mask_threads"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ConfigError(f"config key 'llguidance.{key}' must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -293,6 +301,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "LLGTRT_TOOL_FORMAT": ("tokenizer", "tool_format"),
     "LLGTRT_API_KEY": ("server", "api_key"),
     "LLGTRT_API_WORKERS": ("server", "api_workers"),
+    "LLGTRT_MASK_THREADS": ("llguidance", "mask_threads"),
 }
 
 

@@ -156,6 +156,13 @@ def test_a_bad_integer_variable_is_an_error() -> None:
         load_config(env={"LLGTRT_MAX_BATCH_SIZE": "eight"})
 
 
+def test_mask_threads_come_from_the_env_and_must_be_at_least_one() -> None:
+    assert load_config(env={}).llguidance.mask_threads is None  # llguidance's default pool
+    assert load_config(env={"LLGTRT_MASK_THREADS": "6"}).llguidance.mask_threads == 6
+    with pytest.raises(ConfigError, match=r"llguidance\.mask_threads.*at least 1"):
+        load_config(env={"LLGTRT_MASK_THREADS": "0"})
+
+
 def test_a_boolean_variable_takes_true_or_false() -> None:
     assert load_config(env={}).runtime.cpu_compile is None
     assert load_config(env={"LLGTRT_CPU_COMPILE": "false"}).runtime.cpu_compile is False

@@ -79,7 +79,8 @@ def create_engine(
         from llgtrt_core.engine.trtllm_engine import TrtLlmEngine, config_for_stored_model
         from llgtrt_core.kernels import cuda_kernel_available
 
-        post_processor = MaskPostProcessor(grammars.tokenizer, max_batch_size=runtime.max_batch_size)
+        post_processor = MaskPostProcessor(grammars.tokenizer, max_batch_size=runtime.max_batch_size,
+                                           num_threads=config.llguidance.mask_threads)
         cuda_kernel_available()  # build (or load) the CUDA mask kernel now, not on the first constrained request
         trt_config = config_for_stored_model(
             model_dir,
