@@ -12,11 +12,13 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from llgtrt_core.constraints import GrammarCompiler, GrammarConstraint, GrammarRequestError, build_ll_tokenizer
+from llgtrt_core.constraints import (GrammarCompiler, GrammarConstraint, GrammarRequestError, GrammarText,
+                                    build_ll_tokenizer)
 from llgtrt_core.constraints.request_grammar import json_schema_grammar
 
 BYTES = llguidance.LLTokenizer("byte")
 DIGITS = llguidance.LLMatcher.grammar_from_regex("[0-9]+")
+UNDEFINED_RULE = llguidance.LLMatcher.grammar_from_lark("start: undefined_rule")
 
 
 def run(coroutine):
@@ -28,6 +30,33 @@ def test_compile_returns_a_template_and_caches_it_by_text():
     first = run(compiler.compile(DIGITS))
     assert first.grammar == DIGITS and not first.matcher.is_error()
     assert run(compiler.compile(DIGITS)) is first
+
+
+def test_a_cache_hit_answers_without_suspending():
+    """At load every suspension queues the request behind all the others' work on the event loop."""
+    compiler = GrammarCompiler(BYTES)
+    first = run(compiler.compile(DIGITS))
+    waiter = compiler.compile(DIGITS)
+    with pytest.raises(StopIteration) as done:
+        waiter.send(None)  # runs to its end at once: no await suspended it
+    assert done.value.value is first
+    with pytest.raises(GrammarRequestError):  # a cached failure too
+        run(compiler.compile(UNDEFINED_RULE))
+    waiter = compiler.compile(UNDEFINED_RULE)
+    with pytest.raises(GrammarRequestError):
+        waiter.send(None)
+
+
+def test_a_compiler_whose_engine_compiles_hands_on_the_text_alone():
+    """The embedded engine's process compiles and refuses grammars itself: the API worker's
+    constraint is the text and the field, whatever the text (even one that will not compile)."""
+    compiler = GrammarCompiler(BYTES)
+    compiler.compiled_by_engine = True
+    for grammar in (DIGITS, UNDEFINED_RULE):
+        constraint = run(compiler.constraint(grammar, "response_format.json_schema"))
+        assert type(constraint) is GrammarText and constraint.grammar == grammar
+        assert constraint.param == "response_format.json_schema" and constraint.error is None
+    assert not compiler._cache and not compiler._pending
 
 
 def test_cache_is_lru_bounded():

@@ -50,9 +50,8 @@ async def make_constraint(request: ApiRequest, runtime: ModelRuntime, grammar: O
     """
     try:
         if grammar is not None:
-            compiled = await runtime.grammars.compile(grammar.grammar, grammar.param)
-            return runtime.grammars.new_constraint(compiled, grammar.param,
-                                                   loop_guard=runtime.grammars.loop_guard_for(request, max_tokens))
+            return await runtime.grammars.constraint(grammar.grammar, grammar.param,
+                                                     runtime.grammars.loop_guard_for(request, max_tokens))
         return await runtime.grammars.constraint_for_request(request, max_tokens)
     except GrammarRequestError as e:  # bad schema / grammar: llguidance says what is wrong
         raise APIError(str(e), param=e.param) from e

@@ -5,6 +5,7 @@ from llgtrt_core.constraints.grammar import (
     CompiledGrammar,
     GrammarCompiler,
     GrammarConstraint,
+    GrammarText,
     build_ll_tokenizer,
     parser_limits,
 )
@@ -15,6 +16,7 @@ __all__ = [
     "GrammarCompiler",
     "GrammarConstraint",
     "GrammarRequestError",
+    "GrammarText",
     "RequestGrammar",
     "build_ll_tokenizer",
     "grammar_for_request",

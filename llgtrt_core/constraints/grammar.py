@@ -31,6 +31,7 @@ __all__ = [
     "GrammarCompiler",
     "GrammarConstraint",
     "GrammarRequestError",
+    "GrammarText",
     "build_ll_tokenizer",
     "grammar_for_request",
     "parser_limits",
@@ -84,24 +85,35 @@ class CompiledGrammar:
     start_forced: Optional[tuple[int, ...]] = None
 
 
-class GrammarConstraint:
-    """One request's matcher state; implements the engine's `Constraint` protocol."""
+class GrammarText:
+    """A request's grammar as an engine in another process takes it (the embedded engine's core
+    compiles and runs it there): the text, the request field it came from and the error the engine
+    reports; implements the engine's `Constraint` protocol."""
 
-    __slots__ = ("matcher", "grammar", "param", "error", "loop_guard", "start_forced")
+    __slots__ = ("grammar", "param", "error")
 
-    def __init__(self, matcher: LLMatcher, grammar: str = "", param: Optional[str] = None,
-                 loop_guard: Optional[LoopGuard] = None, start_forced: Optional[tuple[int, ...]] = None) -> None:
-        self.matcher = matcher
-        self.start_forced = start_forced  # CompiledGrammar.start_forced, while the matcher is at its start
-        self.grammar = grammar  # the text, for engines that rebuild the matcher in another process
-        self.param = param  # the request field the grammar came from, named when it fails mid-generation
+    def __init__(self, grammar: str = "", param: Optional[str] = None) -> None:
+        self.grammar = grammar
+        self.param = param  # named in the 400 when the grammar does not compile or fails mid-generation
         self.error: Optional[str] = None  # a plain attribute: read for every row of every step
-        self.loop_guard = loop_guard  # steers the answer out of a loop (constraints/loop_guard.py)
 
     def fail(self, message: str) -> None:
         """Record the first error only; the request ends with it."""
         if self.error is None:
             self.error = message[:MAX_ERROR_CHARS] or "grammar error"
+
+
+class GrammarConstraint(GrammarText):
+    """One request's matcher state, for an engine in this process."""
+
+    __slots__ = ("matcher", "loop_guard", "start_forced")
+
+    def __init__(self, matcher: LLMatcher, grammar: str = "", param: Optional[str] = None,
+                 loop_guard: Optional[LoopGuard] = None, start_forced: Optional[tuple[int, ...]] = None) -> None:
+        super().__init__(grammar, param)
+        self.matcher = matcher
+        self.start_forced = start_forced  # CompiledGrammar.start_forced, while the matcher is at its start
+        self.loop_guard = loop_guard  # steers the answer out of a loop (constraints/loop_guard.py)
 
 
 def _first_mask_error(message: str) -> str:
@@ -134,7 +146,8 @@ class GrammarCompiler:
         number_bounds: Optional[NumberBounds] = None,
     ) -> None:
         """on_miss(grammar): called when a grammar's compile starts (the service tells the engine
-        process, which compiles it too, so that both compiles run at once)."""
+        process, which compiles it too, so that both compiles run at once). compiled_by_engine: the
+        engine compiles every request's grammar in its own process (`constraint`)."""
         self.tokenizer = ll_tokenizer
         self.json_whitespace_flexible = json_whitespace_flexible  # server default for JSON schemas
         self.loop_guard = loop_guard
@@ -144,6 +157,7 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self.log_level = log_level  # llguidance's stderr logging: 0 silent, 1 warnings
         self.on_miss = on_miss
+        self.compiled_by_engine = False
         self._cache: OrderedDict[str, Union[CompiledGrammar, _Failure]] = OrderedDict()
         self._pending: dict[str, concurrent.futures.Future] = {}
         self._lock = threading.Lock()  # the cache and the pending compiles
@@ -171,8 +185,11 @@ class GrammarCompiler:
         Raises GrammarRequestError(param, llguidance's message) when the grammar is invalid
         or over the limits.
         """
+        future = self.compile_future(grammar)
+        if future.done():  # a cache hit answers without a trip through the event loop, which under load
+            return self.checked(future.result(), param)  # queued the request behind every other's work
         # Shielded: one waiter's cancellation must not cancel the compile others share.
-        return self.checked(await asyncio.shield(asyncio.wrap_future(self.compile_future(grammar))), param)
+        return self.checked(await asyncio.shield(asyncio.wrap_future(future)), param)
 
     def compile_future(self, grammar: str) -> concurrent.futures.Future:
         """The compile's future (done at once on a cache hit), from any thread; one compile per text
@@ -205,8 +222,16 @@ class GrammarCompiler:
         found = request_grammar(request, self.json_whitespace_flexible, self.number_bounds)
         if found is None:
             return None
-        return self.new_constraint(await self.compile(found.grammar, found.param), found.param,
-                                   loop_guard=self.loop_guard_for(request, max_tokens))
+        return await self.constraint(found.grammar, found.param, self.loop_guard_for(request, max_tokens))
+
+    async def constraint(self, grammar: str, param: str, loop_guard: Optional[LoopGuardSettings] = None
+                         ) -> GrammarText:
+        """A request's fresh constraint: compiled (GrammarRequestError -> 400), or only the text
+        when the engine compiles it in its own process and refuses it there (compiling here too
+        held each request back until every API worker had compiled its grammar once)."""
+        if self.compiled_by_engine:
+            return GrammarText(grammar, param)
+        return self.new_constraint(await self.compile(grammar, param), param, loop_guard=loop_guard)
 
     def loop_guard_for(self, request: Any, max_tokens: Optional[int] = None) -> Optional[LoopGuardSettings]:
         """The request's `loop_guard` (true / false / null: the server default) for an answer of at

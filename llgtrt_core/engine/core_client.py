@@ -3,9 +3,9 @@
 The embedded engine, its grammar compiler and mask post-processor run in their own process
 (core_process.py), so the API workers' event loops (HTTP, SSE, templates, tokenizing,
 detokenizing) and the engine's step loop never wait for each other's GIL. A request goes over as
-its token ids, sampling parameters and grammar text (the API worker compiled that grammar to
-validate it; the engine process compiles it again, from its own cache, and a first sight starts
-both compiles at once). A reader thread takes each step's message off the socket and hands it to
+its token ids, sampling parameters and grammar text, which only the engine process compiles
+(from its cache) and refuses (a 400 naming the request field); a tools grammar the API worker
+compiles too, to name a failing tool, and a first sight starts both compiles at once. A reader thread takes each step's message off the socket and hands it to
 the event loop in one wake-up.
 
 One API worker (the owner) starts the engine process; with several (`server.api_workers`), the
@@ -29,6 +29,7 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
+from llgtrt_core.constraints.errors import GrammarRequestError
 from llgtrt_core.engine.core_protocol import CoreSpec, DeltaRow, row_delta
 from llgtrt_core.engine.interface import (Engine, EngineError, EngineUnavailable, GenerationRequest, TokenDelta,
                                           next_delta)
@@ -160,6 +161,9 @@ class EngineCoreClient(Engine):
             first = await stream.deltas.get()
             if isinstance(first, _Rejected):
                 finished = True
+                if first.kind == "grammar":  # the engine process compiles the grammars: a 400 naming the field
+                    raise GrammarRequestError(getattr(request.constraint, "param", None) or "response_format",
+                                              first.message)
                 raise EngineError(first.message)
             if isinstance(first, TokenDelta):  # the engine process went away meanwhile
                 finished = True

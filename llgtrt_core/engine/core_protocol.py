@@ -5,13 +5,15 @@ pair between the engine process and the API worker that started it, and with sev
 one Unix socket connection per other worker; a message's first item names it. Serving -> engine:
     ("add", request_id, prompt_token_ids, SamplingParams, grammar text or None)
     ("abort", request_id)
-    ("precompile", grammar text)       the serving process started compiling it too (first sight)
+    ("precompile", grammar text)       the serving process started compiling it too (a tools grammar, to name a
+                                       failing tool; first sight)
     ("stats", token)
     ("stop",)                          the owner only; the others just close
 Engine -> serving:
     ("ready", vocab_size, max_model_len) or ("failed", message)   once, after the spec (owner) or on connecting
     ("accepted", request_id)           before any delta of the request
-    ("rejected", request_id, kind, message)   kind "engine" (EngineError) or "grammar"
+    ("rejected", request_id, kind, message)   kind "engine" (EngineError) or "grammar" (a 400 naming the
+                                       request field the grammar came from)
     ("deltas", [DeltaRow, ...])        one message per engine step
     ("stats", token, dict)
 """

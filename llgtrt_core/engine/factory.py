@@ -69,7 +69,8 @@ def create_engine(
         spec = CoreSpec(str(model_dir), engine_config, vocab_size, tuple(eos_token_ids), config.llguidance,
                         listen_path=engine_socket_path() if shared else None)
         client = EngineCoreClient(spec, owner=not shared or api_worker_index() == 1)
-        grammars.on_miss = client.precompile
+        grammars.on_miss = client.precompile  # the tools grammar, compiled here to name a failing tool
+        grammars.compiled_by_engine = True
         return client
     if kind in TENSORRT_LLM_KINDS:
         if config.server.several_api_workers:  # each worker would load its own copy of the model
