@@ -11,8 +11,9 @@ same prompt unconstrained, which warms the server up for its shapes), and they l
 in the server's cache, as a schema that many requests share would be. Each round takes the next
 schemas of the draw.
 
-For each --batch B, each round sends B unconstrained requests at once and B constrained ones at
-once (which goes first alternates by round, so a shared machine's drift hits both alike). TBT is
+For each --batch B, each round sends B constrained requests at once, then their B unconstrained
+twins at once, each writing exactly as many tokens as its constrained answer did (`plain_twin`:
+the same work but for the masks, where unpaired plain rows all ran to max_tokens). TBT is
 the time between content chunks, TTFT from sending to the first content chunk, both streamed
 (SSE) by client processes as in bench/http_load.py. Reported: median TBT constrained /
 unconstrained; the same for the time per output token of each request (first to last chunk over
@@ -119,6 +120,17 @@ def chat_body(model: str, schema: dict[str, Any], max_tokens: int, constrained: 
     return body
 
 
+def plain_twin(model: str, schema: dict[str, Any], max_tokens: int, answer: StreamResult) -> dict[str, Any]:
+    """The unconstrained request of a constrained one that gave `answer`: the same prompt, writing
+    exactly as many tokens as that answer (ignore_eos), so that both waves do the same work but for
+    the masks (unpaired, every plain row ran to max_tokens while a constrained answer may end after
+    a few tokens, living only through its wave's busiest steps: docs/benchmarks/engine.md)."""
+    body = chat_body(model, schema, max_tokens, constrained=False)
+    if answer.error is None and answer.tokens > 0:
+        body.update(max_tokens=answer.tokens, ignore_eos=True)
+    return body
+
+
 async def compiling_schemas(client: httpx.AsyncClient, url: str, model: str, count: int,
                             candidates: list[tuple[str, dict[str, Any]]], budget_s: float
                             ) -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[Optional[float], float]], int]:
@@ -212,11 +224,12 @@ async def measure_batch(client: httpx.AsyncClient, pool: ClientProcesses, url: s
     for round_index in range(rounds if batch > 1 else max(rounds, BATCH1_ROUNDS)):
         # Each round takes the next `batch` schemas: batch 1 does not rest on one schema's answer length.
         picked = [schemas[(round_index * batch + i) % len(schemas)][1] for i in range(batch)]
-        plain = [chat_body(model, s, max_tokens, constrained=False) for s in picked]
         constrained = [chat_body(model, s, max_tokens, constrained=True) for s in picked]
-        for is_constrained in ((False, True) if round_index % 2 == 0 else (True, False)):
+        for is_constrained in (True, False):  # the constrained answers first: the plain twins match their lengths
+            bodies = constrained if is_constrained else [
+                plain_twin(model, s, max_tokens, answer) for s, answer in zip(picked, waves[True][-1])]
             before, started = await engine_stats(client, url), time.perf_counter()
-            waves[is_constrained].append((await pool.run(url, constrained if is_constrained else plain))[0])
+            waves[is_constrained].append((await pool.run(url, bodies))[0])
             # perf_counter is the machine's monotonic clock: the window finds the wave in a step log.
             window = {"started": started, "ended": time.perf_counter()}
             engine[is_constrained].append({**per_step(before, await engine_stats(client, url)), **window})

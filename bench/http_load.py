@@ -297,21 +297,21 @@ class StreamJob:
 
 
 async def run_streams(job: StreamJob) -> list[StreamResult]:
-    results: list[StreamResult] = []
+    results: list[tuple[int, StreamResult]] = []  # (body index, result)
     sent = 0
     async with new_client(len(job.bodies), job.timeout_s) as client:
         await asyncio.sleep(max(0.0, job.start_at - time.monotonic()))
 
-        async def stream_loop(body: dict[str, Any]) -> None:
+        async def stream_loop(index: int, body: dict[str, Any]) -> None:
             nonlocal sent
             while job.requests is None or sent < job.requests:
                 sent += 1
-                results.append(await stream_chat(client, job.url, body))
+                results.append((index, await stream_chat(client, job.url, body)))
                 if job.deadline is None or time.monotonic() >= job.deadline:
                     return
 
-        await asyncio.gather(*(stream_loop(body) for body in job.bodies))
-    return results
+        await asyncio.gather(*(stream_loop(index, body) for index, body in enumerate(job.bodies)))
+    return [result for _, result in sorted(results, key=lambda item: item[0])]
 
 
 def run_stream_job(job: StreamJob) -> list[StreamResult]:
@@ -344,7 +344,8 @@ class ClientProcesses:
                   requests: Optional[int] = None) -> tuple[list[StreamResult], float]:
         """Every body as one stream, dealt round-robin to the processes: sent once each, or in closed
         loops for `seconds` (no new request after), stopping sooner once about `requests` are sent.
-        Returns the results and the seconds from the common start to the last stream's end."""
+        Returns the results (sent once each: in the bodies' order) and the seconds from the common
+        start to the last stream's end."""
         parts = [bodies[i::self.processes] for i in range(min(self.processes, len(bodies)))]
         start_at = time.monotonic() + 0.1 * len(parts)  # each submit and its pickling land before the start
         deadline = start_at + seconds if seconds is not None else None
@@ -353,7 +354,13 @@ class ClientProcesses:
                 for part in parts]
         loop = asyncio.get_running_loop()
         done = await asyncio.gather(*(loop.run_in_executor(self.pool, run_stream_job, job) for job in jobs))
-        return [r for part in done for r in part], time.monotonic() - start_at
+        elapsed = time.monotonic() - start_at
+        if seconds is None and requests is None:
+            ordered: list[StreamResult] = [StreamResult()] * len(bodies)
+            for index, part in enumerate(done):
+                ordered[index::len(parts)] = part
+            return ordered, elapsed
+        return [r for part in done for r in part], elapsed
 
 
 def default_processes(streams: int) -> int:

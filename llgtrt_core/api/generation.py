@@ -130,8 +130,8 @@ async def run_choice(
         raise GenerationFailed("the engine stream ended without a finish reason")
     except EngineError as e:  # raised on the first step when generate() is an async generator
         raise engine_refusal(e) from e
-    except GrammarRequestError as e:  # an engine that compiles the constraint itself
-        raise APIError(e.message, param=e.param) from e
+    except GrammarRequestError as e:  # the engine compiles the constraint itself (its own process)
+        raise APIError(str(e), param=e.param) from e
     finally:
         await close_quietly(deltas)
 
