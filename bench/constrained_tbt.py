@@ -20,6 +20,9 @@ unconstrained; the same for the time per output token of each request (first to 
 its tokens after the first), which unlike TBT does not change when the grammar's forced tokens
 arrive several to a chunk; the TTFT overhead p50 (p50 constrained - p50 unconstrained); and the
 engine's mask-fill time per step from the server's /metrics (`llgtrt:grammar_mask_fill_seconds`).
+--control makes the first wave of each round unconstrained too: an A/A run, whose ratios are the
+measurement's own noise (the waves' prompts are admitted over the first steps, and where each
+request's tokens fall against those busy steps moves its time per token).
 Each round's own time-per-token ratio is printed too (the spread), and the JSON keeps each wave's
 engine phases (/v1/engine/stats) and its window, which bench/wave_steps.py matches to the steps of
 a server started with LLGTRT_STEP_LOG.
@@ -216,7 +219,9 @@ def stats(results: list[StreamResult], waves: list[list[StreamResult]]) -> dict[
 
 
 async def measure_batch(client: httpx.AsyncClient, pool: ClientProcesses, url: str, model: str, batch: int,
-                        rounds: int, schemas: list[tuple[str, dict[str, Any]]], max_tokens: int) -> dict[str, Any]:
+                        rounds: int, schemas: list[tuple[str, dict[str, Any]]], max_tokens: int,
+                        control: bool = False) -> dict[str, Any]:
+    """control: the first wave of each round is unconstrained too (an A/A run: the ratios' noise)."""
     waves: dict[bool, list[list[StreamResult]]] = {False: [], True: []}
     engine: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     mask_before = await mask_fill(client, url)
@@ -224,7 +229,7 @@ async def measure_batch(client: httpx.AsyncClient, pool: ClientProcesses, url: s
     for round_index in range(rounds if batch > 1 else max(rounds, BATCH1_ROUNDS)):
         # Each round takes the next `batch` schemas: batch 1 does not rest on one schema's answer length.
         picked = [schemas[(round_index * batch + i) % len(schemas)][1] for i in range(batch)]
-        constrained = [chat_body(model, s, max_tokens, constrained=True) for s in picked]
+        constrained = [chat_body(model, s, max_tokens, constrained=not control) for s in picked]
         for is_constrained in (True, False):  # the constrained answers first: the plain twins match their lengths
             bodies = constrained if is_constrained else [
                 plain_twin(model, s, max_tokens, answer) for s, answer in zip(picked, waves[True][-1])]
@@ -309,10 +314,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 for batch in batches:
                     started = time.perf_counter()
                     rows.append(await measure_batch(client, pool, url, model, batch, args.rounds, schemas,
-                                                    args.max_tokens))
+                                                    args.max_tokens, args.control))
                     r = rows[-1]
                     by_round = ", ".join(f"{w['tpot_ratio']:.3f}" for w in r["rounds"])
-                    print(f"batch {batch}: {time.perf_counter() - started:.1f} s, TBT ratio {r['tbt_ratio']:.3f}, "
+                    print(f"{'A/A control, ' if args.control else ''}batch {batch}: "
+                          f"{time.perf_counter() - started:.1f} s, TBT ratio {r['tbt_ratio']:.3f}, "
                           f"time per output token ratio {r['tpot_ratio']:.3f} (steady {r['steady_tpc_ratio']:.3f}), "
                           f"TTFT overhead p50 {r['ttft_overhead_p50'] * 1e3:+.1f} ms; time per output token ratio "
                           f"by round: {by_round}", flush=True)
@@ -341,6 +347,8 @@ def main() -> None:
                         help="write every schema of --data to this .jsonl.gz and exit")
     parser.add_argument("--compile-budget", type=float, default=300, help="seconds for finding the schemas")
     parser.add_argument("--plot", type=Path, default=None, help="write the TBT distributions here (PNG)")
+    parser.add_argument("--control", action="store_true",
+                        help="A/A: the 'constrained' waves are unconstrained too, so each ratio shows the noise alone")
     if "--write-pool" in sys.argv:
         args, _ = parser.parse_known_args()
         print(f"{write_pool(args.data, args.write_pool)} schemas written to {args.write_pool}")

@@ -7,6 +7,8 @@
 #   http    http_load: 256 streams for 30 s, 256 tokens each
 #   engine  stops the server; engine_decode at batch 1 and 256 (the engine alone, and the roofline)
 #   tests   the GPU tests of the engine, the constraint stage and the mask kernel
+#   control batch 128 and 256 x 6 rounds, A/A (--control: both waves unconstrained, the noise) then A/B,
+#           on one random seed
 #   threads batch 256 x 6 rounds on one random seed against a server restarted for each mask-fill pool
 #           size in $MASK_THREADS_LIST (default "default 8 4"; "default": llguidance's), each with a step log
 # Everything lands in $OUT (the server's log as server.log).
@@ -28,6 +30,12 @@ for stage in "$@"; do
     engine)
         kill -- -$SERVER_GROUP; sleep 5
         python3 bench/engine_decode.py --batches 1 256 --hf-batches --out $OUT ;;
+    control)
+        SEED=$(python3 -c 'import random; print(random.randrange(2**31))')
+        for RUN in aa ab; do
+            python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 6 --max-tokens 64 --seed $SEED \
+                --data $D --json $OUT/constrained_tbt_$RUN.json $([ $RUN = aa ] && echo --control) | grep -v "^|"
+        done ;;
     threads)
         SEED=$(python3 -c 'import random; print(random.randrange(2**31))')
         for T in ${MASK_THREADS_LIST:-default 8 4}; do
