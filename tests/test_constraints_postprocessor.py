@@ -185,3 +185,25 @@ def test_cuda_logits_on_a_side_stream_match_the_cpu_path():
         torch.cuda.current_stream().wait_stream(stream)
         assert torch.equal(gpu_logits.cpu(), logits)
     assert [c.error is None for c in on_gpu] == [c.error is None for c in on_cpu] == [True, True, True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_upload_keeps_its_device_masks_until_the_work_queued_before_the_next_upload_read_them():
+    """Uploads copy on a stream of their own, into two buffers in turn: the third upload reuses the
+    first one's buffer and must wait for the readers of the first (queued behind a slow kernel)."""
+    processor = MaskPostProcessor(BYTES, max_batch_size=4)
+    rows = [ConstrainedRow(regex("x"), j, None) for j in range(4)]
+    words = allocate_token_bitmask(1, VOCAB).shape[1]
+    device = torch.device("cuda")
+    hosts = [torch.full((4, words), value, dtype=torch.int32).pin_memory() for value in (1, 2, 3)]
+    reads = []
+    for index, host in enumerate(hosts):
+        device_masks, device_rows = processor.upload(rows, host, device)
+        if index == 0:
+            torch.cuda._sleep(200_000_000)  # ~0.1 s on the compute stream before the first read
+        reads.append((device_masks.clone(), device_rows.clone()))
+    torch.cuda.synchronize()
+    for host, (device_masks, device_rows) in zip(hosts, reads):
+        assert torch.equal(device_masks.cpu(), host)
+        assert device_rows.tolist() == [0, 1, 2, 3]
