@@ -16,6 +16,7 @@ set -u
 source bench/gpu_serve.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 D=.serve_whl/maskbench_pool.jsonl.gz
+random_seed() { python3 -c 'import random; print(random.randrange(2**31))'; }  # one draw for runs to compare
 for stage in "$@"; do
     echo "== $stage $(date -u +%H:%M:%S)"
     case $stage in
@@ -31,13 +32,13 @@ for stage in "$@"; do
         kill -- -$SERVER_GROUP; sleep 5
         python3 bench/engine_decode.py --batches 1 256 --hf-batches --out $OUT ;;
     control)
-        SEED=$(python3 -c 'import random; print(random.randrange(2**31))')
+        SEED=$(random_seed)
         for RUN in aa ab; do
             python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 6 --max-tokens 64 --seed $SEED \
                 --data $D --json $OUT/constrained_tbt_$RUN.json $([ $RUN = aa ] && echo --control) | grep -v "^|"
         done ;;
     threads)
-        SEED=$(python3 -c 'import random; print(random.randrange(2**31))')
+        SEED=$(random_seed)
         for T in ${MASK_THREADS_LIST:-default 8 4}; do
             kill -- -$SERVER_GROUP 2>/dev/null; sleep 5
             export LLGTRT_MASK_THREADS=${T#default} LLGTRT_STEP_LOG=$OUT/steps_$T.jsonl

@@ -163,6 +163,11 @@ def test_mask_threads_come_from_the_env_and_must_be_at_least_one() -> None:
         load_config(env={"LLGTRT_MASK_THREADS": "0"})
 
 
+def test_compile_threads_must_be_at_least_one(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"llguidance\.compile_threads.*at least 1"):
+        load_config([write(tmp_path / "c.json5", "{llguidance: {compile_threads: 0}}")], env={})
+
+
 def test_a_boolean_variable_takes_true_or_false() -> None:
     assert load_config(env={}).runtime.cpu_compile is None
     assert load_config(env={"LLGTRT_CPU_COMPILE": "false"}).runtime.cpu_compile is False

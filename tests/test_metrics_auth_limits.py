@@ -217,7 +217,8 @@ def test_metrics_count_requests_tokens_and_latencies(prod: BentoServer) -> None:
     assert grew("llgtrt:request_queue_time_seconds_count") == 2
     assert grew("llgtrt:inter_token_latency_seconds_count") >= 4
     assert grew("llgtrt:grammar_mask_fill_seconds_count") >= 1
-    assert grew("llgtrt:grammar_compile_seconds_count") == 1  # in the engine process only: the API worker sends the text
+    # In the engine process only: the API worker sends the grammar's text.
+    assert grew("llgtrt:grammar_compile_seconds_count") == 1
     assert grew("llgtrt:request_success_total[('finished_reason', 'length')]") >= 1
     assert after["llgtrt:num_requests_running"] == 0 and after["llgtrt:num_requests_waiting"] == 0
     assert after["llgtrt:kv_cache_usage_perc"] == 0

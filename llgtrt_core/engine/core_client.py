@@ -5,8 +5,8 @@ The embedded engine, its grammar compiler and mask post-processor run in their o
 detokenizing) and the engine's step loop never wait for each other's GIL. A request goes over as
 its token ids, sampling parameters and grammar text, which only the engine process compiles
 (from its cache) and refuses (a 400 naming the request field); a tools grammar the API worker
-compiles too, to name a failing tool, and a first sight starts both compiles at once. A reader thread takes each step's message off the socket and hands it to
-the event loop in one wake-up.
+compiles too, to name a failing tool, and a first sight starts both compiles at once. A reader
+thread takes each step's message off the socket and hands it to the event loop in one wake-up.
 
 One API worker (the owner) starts the engine process; with several (`server.api_workers`), the
 others join it through its Unix socket, and after losing it they keep trying to join the one a

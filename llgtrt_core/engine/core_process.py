@@ -73,8 +73,8 @@ class EngineCore:
         ll_tokenizer = build_ll_tokenizer(tokenizer.hf, spec.vocab_size, list(spec.eos_token_ids))
         self.grammars = GrammarCompiler.from_config(ll_tokenizer, spec.llguidance)
         config = spec.engine_config
-        post_processor = MaskPostProcessor(ll_tokenizer, max_batch_size=config.max_batch_size,  # type: ignore[attr-defined]
-                                           num_threads=spec.llguidance.mask_threads)
+        post_processor = MaskPostProcessor(ll_tokenizer, num_threads=spec.llguidance.mask_threads,
+                                           max_batch_size=config.max_batch_size)  # type: ignore[attr-defined]
         cuda_kernel_available()  # build (or load) the CUDA mask kernel now, not on the first constrained step
         self.engine = TorchEngine(Path(spec.model_dir), config, post_processor, deliver=self._send_deltas)  # type: ignore[arg-type]
         # Requests whose grammar is compiling (an abort drops them when it is done), the requests in
