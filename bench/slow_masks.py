@@ -21,11 +21,8 @@ import json
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
-
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,15 +33,19 @@ from maskbench import load_hf_tokenizer  # noqa: E402
 from llgtrt_core.config import LlguidanceConfig  # noqa: E402
 from llgtrt_core.constraints.grammar import (CompiledGrammar, GrammarCompiler, GrammarRequestError,  # noqa: E402
                                              build_ll_tokenizer)
+from llgtrt_core.constraints.mask_probe import mask_probe_seconds  # noqa: E402
 from llgtrt_core.constraints.request_grammar import request_grammar  # noqa: E402
 
 VOCAB = 128256  # Llama 3's logits width
 
 
 def llama3_compiler() -> GrammarCompiler:
-    """The server's grammar compiler (its default llguidance settings) for the Llama 3 tokenizer."""
+    """The server's grammar compiler (its default llguidance settings) for the Llama 3 tokenizer,
+    without its own background probe (which would build lexer states before the first walk)."""
     ll_tokenizer = build_ll_tokenizer(load_hf_tokenizer("llama3"), VOCAB, [EOT_ID])
-    return GrammarCompiler.from_config(ll_tokenizer, LlguidanceConfig())
+    compiler = GrammarCompiler.from_config(ll_tokenizer, LlguidanceConfig())
+    compiler.slow_mask_s = None
+    return compiler
 
 
 def compiled(compiler: GrammarCompiler, schema: dict[str, Any]) -> Optional[CompiledGrammar]:
@@ -55,24 +56,6 @@ def compiled(compiler: GrammarCompiler, schema: dict[str, Any]) -> Optional[Comp
         return compiler.checked(compiler.compile_future(found.grammar).result(), found.param)
     except GrammarRequestError:  # a 400 at the server
         return None
-
-
-def walk_mask_seconds(grammar: CompiledGrammar, steps: int, rng: random.Random) -> list[float]:
-    """One walk: each mask's computation time, until `steps` tokens, the grammar's end or an error."""
-    matcher = grammar.matcher.deep_copy()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        mask = matcher.compute_bitmask()
-        times.append(time.perf_counter() - start)
-        if matcher.is_error() or matcher.is_stopped():
-            break
-        allowed = np.flatnonzero(np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:VOCAB])
-        if len(allowed) > 1:
-            allowed = allowed[allowed != EOT_ID]
-        if len(allowed) == 0 or not matcher.consume_token(int(rng.choice(allowed))):
-            break
-    return times
 
 
 def main() -> None:
@@ -100,7 +83,7 @@ def main() -> None:
         grammar = compiled(compiler, candidates[name])
         if grammar is None:
             continue
-        first, *later = [walk_mask_seconds(grammar, args.steps, rng) for _ in range(args.walks)]
+        first, *later = [mask_probe_seconds(grammar.matcher, args.steps, rng, [EOT_ID]) for _ in range(args.walks)]
         later_times = [t for walk in later for t in walk]
         rows.append({"name": name, "first_walk_mean_ms": 1e3 * statistics.mean(first),
                      "later_walks_mean_ms": 1e3 * statistics.mean(later_times) if later_times else None,

@@ -1,10 +1,13 @@
 """GrammarCompiler: validation with llguidance's own messages, the LRU cache, one compile per
-text, the event loop kept free, configurable limits; and the llguidance tokenizer builder."""
+text, the event loop kept free, configurable limits, the probe of each new grammar's mask cost;
+and the llguidance tokenizer builder."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import random
 import time
 
 import llguidance
@@ -14,6 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 from llgtrt_core.constraints import (GrammarCompiler, GrammarConstraint, GrammarRequestError, GrammarText,
                                     build_ll_tokenizer)
+from llgtrt_core.constraints.mask_probe import mask_probe_seconds
 from llgtrt_core.constraints.request_grammar import json_schema_grammar
 
 BYTES = llguidance.LLTokenizer("byte")
@@ -154,6 +158,37 @@ def test_each_request_gets_its_own_matcher_state():
     first.fail("boom")
     first.fail("second message is ignored")
     assert first.error == "boom" and second.error is None
+
+
+def test_a_mask_probe_walks_a_copy_on_allowed_tokens_until_the_grammar_ends():
+    compiled = run(GrammarCompiler(BYTES).compile(DIGITS))
+    times = mask_probe_seconds(compiled.matcher, 16, random.Random(0), [BYTES.eos_token])
+    assert len(times) == 16 and all(t > 0 for t in times)  # digits go on: EOS avoided while a digit is allowed
+    assert compiled.matcher.validate_tokens(list(b"9")) == 1  # the template was never advanced
+    short = run(GrammarCompiler(BYTES).compile(llguidance.LLMatcher.grammar_from_regex("ab")))
+    assert 2 <= len(mask_probe_seconds(short.matcher, 16, random.Random(0), [BYTES.eos_token])) < 16
+
+
+def probe_warnings(compiler: GrammarCompiler, caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The warnings of `compiler`'s probes once they are done (compiling DIGITS the one way the
+    compiler's `compiled_by_engine` leaves)."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="llgtrt_core.constraints.grammar"):
+        run(compiler.compile(DIGITS))
+        compiler._pool.shutdown(wait=True)  # the probe runs on the compile threads, after the compile
+    return [r.getMessage() for r in caplog.records if "token masks take" in r.getMessage()]
+
+
+def test_a_new_grammar_whose_masks_are_slow_is_warned_of(caplog):
+    """A step waits for its slowest row's mask: a grammar slower than slow_mask_s slows every batch
+    it is in, so its probe says so, once, in the log."""
+    warned = probe_warnings(GrammarCompiler(BYTES, slow_mask_s=0.0), caplog)
+    assert len(warned) == 1 and "16 probed" in warned[0] and "[0-9]+" in warned[0]
+    assert probe_warnings(GrammarCompiler(BYTES, slow_mask_s=60.0), caplog) == []  # no mask takes a minute
+    assert probe_warnings(GrammarCompiler(BYTES, slow_mask_s=None), caplog) == []
+    worker = GrammarCompiler(BYTES, slow_mask_s=0.0)
+    worker.compiled_by_engine = True  # an API worker: the engine process compiles and probes
+    assert probe_warnings(worker, caplog) == []
 
 
 def test_constraint_for_request():

@@ -13,8 +13,11 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import random
+import statistics
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
@@ -24,6 +27,7 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llgtrt_core import metrics
 from llgtrt_core.constraints.errors import GrammarRequestError
 from llgtrt_core.constraints.loop_guard import LoopGuard, LoopGuardSettings
+from llgtrt_core.constraints.mask_probe import PROBE_TOKENS, SLOW_MASK_S, mask_probe_seconds
 from llgtrt_core.constraints.request_grammar import NumberBounds, grammar_for_request, request_grammar
 
 __all__ = [
@@ -144,10 +148,14 @@ class GrammarCompiler:
         loop_guard: LoopGuardSettings = LoopGuardSettings(),
         loop_guard_by_default: bool = True,
         number_bounds: Optional[NumberBounds] = None,
+        slow_mask_s: Optional[float] = SLOW_MASK_S,
     ) -> None:
         """on_miss(grammar): called when a grammar's compile starts (the service tells the engine
         process, which compiles it too, so that both compiles run at once). compiled_by_engine: the
-        engine compiles every request's grammar in its own process (`constraint`)."""
+        engine compiles every request's grammar in its own process (`constraint`). slow_mask_s: each
+        new grammar's masks are probed in the background, and a mean past this is logged as a warning
+        (constraints/mask_probe.py), unless the engine compiles in its own process, which probes;
+        None: no probe."""
         self.tokenizer = ll_tokenizer
         self.json_whitespace_flexible = json_whitespace_flexible  # server default for JSON schemas
         self.loop_guard = loop_guard
@@ -157,6 +165,7 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self.log_level = log_level  # llguidance's stderr logging: 0 silent, 1 warnings
         self.on_miss = on_miss
+        self.slow_mask_s = slow_mask_s
         self.compiled_by_engine = False
         self._cache: OrderedDict[str, Union[CompiledGrammar, _Failure]] = OrderedDict()
         self._pending: dict[str, concurrent.futures.Future] = {}
@@ -261,7 +270,25 @@ class GrammarCompiler:
             self._cache.move_to_end(grammar)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
+        if isinstance(result, CompiledGrammar) and self.slow_mask_s is not None and not self.compiled_by_engine:
+            try:
+                self._pool.submit(self._probe, result)
+            except RuntimeError:  # closed meanwhile
+                pass
         return result
+
+    def _probe(self, compiled: CompiledGrammar) -> None:
+        """Warn of a grammar whose masks are slow: every step of a batch it is in waits for them."""
+        rng = random.Random(zlib.crc32(compiled.grammar.encode()))
+        try:
+            times = mask_probe_seconds(compiled.matcher, PROBE_TOKENS, rng, self.tokenizer.eos_tokens)
+        except Exception:  # llguidance refusing a step: the request that takes it finds out
+            logger.debug("mask probe failed", exc_info=True)
+            return
+        if statistics.fmean(times) >= self.slow_mask_s:
+            logger.warning("a grammar's token masks take %.2f ms each (%d probed, the slowest %.2f ms): every "
+                           "step of a batch it is in waits for them; the grammar begins %r",
+                           1e3 * statistics.fmean(times), len(times), 1e3 * max(times), compiled.grammar[:160])
 
     def _compile(self, grammar: str) -> Union[CompiledGrammar, _Failure]:
         try:
