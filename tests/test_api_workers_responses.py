@@ -1,6 +1,7 @@
 """Stored responses with several API workers (`server.api_workers`): every worker finds, continues,
-deletes and cancels the responses any of them stored. Each call opens a connection of its own,
-so the kernel hands calls to either worker (the access log says which served what)."""
+deletes and cancels the responses any of them stored. The kernel may hand a whole run of new
+connections to one worker, so the calls that must reach a given worker go through a connection it
+accepted (`clients_by_worker`: the access log says which worker served what)."""
 
 from __future__ import annotations
 
@@ -53,25 +54,25 @@ def test_every_worker_continues_gets_and_deletes_every_stored_response(two_worke
         return fresh(two_workers, lambda c: c.responses.create(model=model, input=f"Say {i}.", max_output_tokens=4,
                                                                temperature=0))
 
-    def follow_up(first: Any) -> tuple[Any, Any]:
-        retrieved = fresh(two_workers, lambda c: c.responses.retrieve(first.id))
-        second = fresh(two_workers, lambda c: c.responses.create(model=model, input="Again.", max_output_tokens=4,
-                                                                 temperature=0, previous_response_id=first.id))
-        return retrieved, second
-
     with ThreadPoolExecutor(6) as pool:
-        firsts = list(pool.map(create, range(12)))
-        pairs = list(pool.map(follow_up, firsts))
-    for first, (retrieved, second) in zip(firsts, pairs):
+        firsts = list(pool.map(create, range(6)))
+    # Each response is read, continued and deleted through workers chosen on purpose (the kernel may
+    # hand a whole run of new connections to one worker): in turn the one that stored it or not.
+    for i, first in enumerate(firsts):
+        pinned = clients_by_worker(two_workers)
+        reader, writer = (pinned["1"], pinned["2"]) if i % 2 else (pinned["2"], pinned["1"])
+        retrieved = reader.responses.retrieve(first.id)
+        second = writer.responses.create(model=model, input="Again.", max_output_tokens=4, temperature=0,
+                                         previous_response_id=first.id)
         assert (retrieved.id, retrieved.status, retrieved.output_text) == (first.id, first.status, first.output_text)
         assert second.status in ("completed", "incomplete") and second.previous_response_id == first.id
         # The follow-up's prompt held the first exchange: more input tokens than "Again." alone.
         assert second.usage.input_tokens > first.usage.input_tokens
-    with ThreadPoolExecutor(6) as pool:
-        list(pool.map(lambda r: fresh(two_workers, lambda c: c.responses.delete(r.id)), firsts))  # 404 raises
-        for first in firsts:
-            with pytest.raises(openai.NotFoundError):
-                fresh(two_workers, lambda c: c.responses.retrieve(first.id))
+        reader.responses.delete(first.id)  # 404 raises
+        with pytest.raises(openai.NotFoundError):
+            writer.responses.retrieve(first.id)
+        for client in pinned.values():
+            client.close()
     assert workers_that_served(two_workers, "/v1/responses/resp_[0-9a-f]+") == {"1", "2"}, two_workers.log_tail()
     assert workers_that_served(two_workers, "/v1/responses,") == {"1", "2"}, two_workers.log_tail()
 
