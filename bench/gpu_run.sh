@@ -6,7 +6,8 @@
 #           random seed over the whole MaskBench pool (.serve_whl/maskbench_pool.jsonl.gz)
 #   http    http_load: 256 streams for 30 s, 256 tokens each
 #   engine  stops the server; engine_decode at batch 1 and 256 (the engine alone, and the roofline)
-#   tests   the GPU tests of the engine, the constraint stage, the mask post-processor and kernel
+#   tests   stops the server (its KV cache would leave the tests too little memory); the GPU tests of the
+#           engine, the constraint stage, the mask post-processor and kernel
 #   control batch 128 and 256 x 6 rounds, A/A (--control: both waves unconstrained, the noise) then A/B,
 #           on one random seed
 #   threads batch 256 x 6 rounds on one random seed against a server restarted for each mask-fill pool
@@ -48,6 +49,7 @@ for stage in "$@"; do
         done
         unset LLGTRT_MASK_THREADS LLGTRT_STEP_LOG ;;
     tests)
+        kill -- -$SERVER_GROUP 2>/dev/null; sleep 5
         python3 -m pytest -q -x tests/test_engine_gpu.py tests/test_scheduler.py tests/test_constraint_stage.py \
             tests/test_constraints_postprocessor.py \
             tests/test_sampler.py tests/test_mask_kernel.py 2>&1 | tail -5 ;;
