@@ -285,10 +285,11 @@ class GrammarCompiler:
         except Exception:  # llguidance refusing a step: the request that takes it finds out
             logger.debug("mask probe failed", exc_info=True)
             return
-        if statistics.fmean(times) >= self.slow_mask_s:
+        mean = statistics.fmean(times)
+        if mean >= self.slow_mask_s:
             logger.warning("a grammar's token masks take %.2f ms each (%d probed, the slowest %.2f ms): every "
                            "step of a batch it is in waits for them; the grammar begins %r",
-                           1e3 * statistics.fmean(times), len(times), 1e3 * max(times), compiled.grammar[:160])
+                           1e3 * mean, len(times), 1e3 * max(times), compiled.grammar[:160])
 
     def _compile(self, grammar: str) -> Union[CompiledGrammar, _Failure]:
         try:
