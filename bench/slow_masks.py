@@ -41,7 +41,7 @@ VOCAB = 128256  # Llama 3's logits width
 
 def llama3_compiler() -> GrammarCompiler:
     """The server's grammar compiler (its default llguidance settings) for the Llama 3 tokenizer,
-    without its own background probe (which would build lexer states before the first walk)."""
+    without the server's background probe (which would build lexer states before the first walk)."""
     ll_tokenizer = build_ll_tokenizer(load_hf_tokenizer("llama3"), VOCAB, [EOT_ID])
     compiler = GrammarCompiler.from_config(ll_tokenizer, LlguidanceConfig())
     compiler.slow_mask_s = None

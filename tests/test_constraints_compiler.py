@@ -17,7 +17,8 @@ from transformers import PreTrainedTokenizerFast
 
 from llgtrt_core.constraints import (GrammarCompiler, GrammarConstraint, GrammarRequestError, GrammarText,
                                     build_ll_tokenizer)
-from llgtrt_core.constraints.mask_probe import mask_probe_seconds
+from llgtrt_core.config import LlguidanceConfig
+from llgtrt_core.constraints.mask_probe import SLOW_MASK_S, mask_probe_seconds
 from llgtrt_core.constraints.request_grammar import json_schema_grammar
 
 BYTES = llguidance.LLTokenizer("byte")
@@ -189,6 +190,9 @@ def test_a_new_grammar_whose_masks_are_slow_is_warned_of(caplog):
     worker = GrammarCompiler(BYTES, slow_mask_s=0.0)
     worker.compiled_by_engine = True  # an API worker: the engine process compiles and probes
     assert probe_warnings(worker, caplog) == []
+    # The server's compilers (from its config) probe; one built outside it (a benchmark's) does not.
+    assert GrammarCompiler.from_config(BYTES, LlguidanceConfig()).slow_mask_s == SLOW_MASK_S
+    assert GrammarCompiler(BYTES).slow_mask_s is None
 
 
 def test_constraint_for_request():

@@ -148,14 +148,14 @@ class GrammarCompiler:
         loop_guard: LoopGuardSettings = LoopGuardSettings(),
         loop_guard_by_default: bool = True,
         number_bounds: Optional[NumberBounds] = None,
-        slow_mask_s: Optional[float] = SLOW_MASK_S,
+        slow_mask_s: Optional[float] = None,
     ) -> None:
         """on_miss(grammar): called when a grammar's compile starts (the service tells the engine
         process, which compiles it too, so that both compiles run at once). compiled_by_engine: the
         engine compiles every request's grammar in its own process (`constraint`). slow_mask_s: each
         new grammar's masks are probed in the background, and a mean past this is logged as a warning
         (constraints/mask_probe.py), unless the engine compiles in its own process, which probes;
-        None: no probe."""
+        None (a compiler outside the server, e.g. a benchmark's): no probe."""
         self.tokenizer = ll_tokenizer
         self.json_whitespace_flexible = json_whitespace_flexible  # server default for JSON schemas
         self.loop_guard = loop_guard
@@ -178,7 +178,7 @@ class GrammarCompiler:
     @classmethod
     def from_config(cls, ll_tokenizer: LLTokenizer, guidance: "LlguidanceConfig") -> "GrammarCompiler":
         """The compiler the `llguidance` config section describes (the serving and engine processes each
-        build one)."""
+        build one), warning of slow grammars."""
         bounds = guidance.number_bounds
         return cls(ll_tokenizer, limits=dataclasses.asdict(guidance.limits), cache_size=guidance.grammar_cache_size,
                    max_workers=guidance.compile_threads, log_level=guidance.log_level,
@@ -186,7 +186,9 @@ class GrammarCompiler:
                    loop_guard=LoopGuardSettings(guidance.loop_guard.min_span, guidance.loop_guard.min_repeats,
                                                 guidance.loop_guard.closing_margin),
                    loop_guard_by_default=guidance.loop_guard.enabled,
-                   number_bounds=NumberBounds(bounds.integer_digits, bounds.fraction_digits) if bounds.enabled else None)
+                   number_bounds=(NumberBounds(bounds.integer_digits, bounds.fraction_digits) if bounds.enabled
+                                  else None),
+                   slow_mask_s=SLOW_MASK_S)
 
     async def compile(self, grammar: str, param: str = "response_format") -> CompiledGrammar:
         """Validate and compile in a worker thread, or answer from the cache.
