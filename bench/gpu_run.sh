@@ -18,6 +18,7 @@ source bench/gpu_serve.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 D=.serve_whl/maskbench_pool.jsonl.gz
 random_seed() { python3 -c 'import random; print(random.randrange(2**31))'; }  # one draw for runs to compare
+stop_server() { kill -- -$SERVER_GROUP 2>/dev/null; sleep 5; }  # its KV cache holds most of the GPU's memory
 for stage in "$@"; do
     echo "== $stage $(date -u +%H:%M:%S)"
     case $stage in
@@ -30,7 +31,7 @@ for stage in "$@"; do
         python3 bench/http_load.py --url $SERVER --clients 256 --seconds 30 --max-tokens 256 \
             --json $OUT/http_load.json ;;
     engine)
-        kill -- -$SERVER_GROUP; sleep 5
+        stop_server
         python3 bench/engine_decode.py --batches 1 256 --hf-batches --out $OUT ;;
     control)
         SEED=$(random_seed)
@@ -41,7 +42,7 @@ for stage in "$@"; do
     threads)
         SEED=$(random_seed)
         for T in ${MASK_THREADS_LIST:-default 8 4}; do
-            kill -- -$SERVER_GROUP 2>/dev/null; sleep 5
+            stop_server
             export LLGTRT_MASK_THREADS=${T#default} LLGTRT_STEP_LOG=$OUT/steps_$T.jsonl
             source bench/gpu_serve.sh || exit 1
             python3 bench/constrained_tbt.py --url $SERVER --batch 256 --rounds 6 --max-tokens 64 --seed $SEED \
@@ -49,7 +50,7 @@ for stage in "$@"; do
         done
         unset LLGTRT_MASK_THREADS LLGTRT_STEP_LOG ;;
     tests)
-        kill -- -$SERVER_GROUP 2>/dev/null; sleep 5
+        stop_server
         python3 -m pytest -q -x tests/test_engine_gpu.py tests/test_scheduler.py tests/test_constraint_stage.py \
             tests/test_constraints_postprocessor.py \
             tests/test_sampler.py tests/test_mask_kernel.py 2>&1 | tail -5 ;;
