@@ -229,9 +229,9 @@ async def measure_batch(client: httpx.AsyncClient, pool: ClientProcesses, url: s
     for round_index in range(rounds if batch > 1 else max(rounds, BATCH1_ROUNDS)):
         # Each round takes the next `batch` schemas: batch 1 does not rest on one schema's answer length.
         picked = [schemas[(round_index * batch + i) % len(schemas)][1] for i in range(batch)]
-        constrained = [chat_body(model, s, max_tokens, constrained=not control) for s in picked]
+        first = [chat_body(model, s, max_tokens, constrained=not control) for s in picked]
         for is_constrained in (True, False):  # the constrained answers first: the plain twins match their lengths
-            bodies = constrained if is_constrained else [
+            bodies = first if is_constrained else [
                 plain_twin(model, s, max_tokens, answer) for s, answer in zip(picked, waves[True][-1])]
             before, started = await engine_stats(client, url), time.perf_counter()
             waves[is_constrained].append((await pool.run(url, bodies))[0])
