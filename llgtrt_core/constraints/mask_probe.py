@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 from llguidance import LLMatcher
 
-# A walk of ~9 ms for the median MaskBench schema with 128k tokens (mostly reading the masks), ~90 ms for the slowest.
+# A walk of 5-9 ms for a median MaskBench schema with 128k tokens (mostly reading the masks), 60-90 ms for the slowest.
 PROBE_TOKENS = 16
 SLOW_MASK_S = 0.001  # a mean past this is warned of: a batch-256 decode step on an H200 takes ~9 ms
 
