@@ -10,15 +10,21 @@
 #           engine, the constraint stage, the mask post-processor and kernel
 #   control batch 128 and 256 x 6 rounds, A/A (--control: both waves unconstrained, the noise) then A/B,
 #           on one random seed
+#   apart   batch 128 and 256 x 3 rounds on $SEED (default: a random one) against a server restarted for each
+#           mode in $APART_MODES (default "on off"): slow grammars' rows filled apart (on: the default) or
+#           every row in the batch (off: llguidance.slow_mask_ms null); each with a step log and its sit-outs
 #   threads batch 256 x 6 rounds on one random seed against a server restarted for each mask-fill pool
 #           size in $MASK_THREADS_LIST (default "default 8 4"; "default": llguidance's), each with a step log
 # Everything lands in $OUT (the server's log as server.log).
 set -u
-source bench/gpu_serve.sh || exit 1
+if [ "${1:-}" != apart ]; then source bench/gpu_serve.sh || exit 1; fi  # apart starts its own servers
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 D=.serve_whl/maskbench_pool.jsonl.gz
 random_seed() { python3 -c 'import random; print(random.randrange(2**31))'; }  # one draw for runs to compare
-stop_server() { kill -- -$SERVER_GROUP 2>/dev/null; sleep 5; }  # its KV cache holds most of the GPU's memory
+stop_server() {  # this call's server or an earlier call's (its KV cache holds most of the GPU's memory)
+    local group=${SERVER_GROUP:-$(cat /tmp/server.pgid 2>/dev/null)}
+    if [ -n "$group" ]; then kill -- -$group 2>/dev/null; sleep 5; fi
+}
 for stage in "$@"; do
     echo "== $stage $(date -u +%H:%M:%S)"
     case $stage in
@@ -49,6 +55,20 @@ for stage in "$@"; do
                 --data $D --json $OUT/constrained_tbt_threads_$T.json | grep -v "^|"
         done
         unset LLGTRT_MASK_THREADS LLGTRT_STEP_LOG ;;
+    apart)
+        SEED=${SEED:-$(random_seed)}
+        echo '{llguidance: {slow_mask_ms: null}}' > /tmp/apart_off.json5
+        for MODE in ${APART_MODES:-on off}; do
+            stop_server
+            export LLGTRT_STEP_LOG=$OUT/steps_apart_$MODE.jsonl
+            if [ $MODE = off ]; then export LLGTRT_CONFIG=/tmp/apart_off.json5; else unset LLGTRT_CONFIG; fi
+            source bench/gpu_serve.sh || exit 1
+            python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 3 --max-tokens 64 --seed $SEED \
+                --data $D --json $OUT/constrained_tbt_apart_$MODE.json | grep -v "^|"
+            curl -s $SERVER/metrics | grep "^llgtrt:grammar_mask_sit_outs_total"
+            grep -h "token masks take" /tmp/server.log | cut -c1-200
+        done
+        unset LLGTRT_CONFIG LLGTRT_STEP_LOG ;;
     tests)
         stop_server
         python3 -m pytest -q -x tests/test_engine_gpu.py tests/test_scheduler.py tests/test_constraint_stage.py \

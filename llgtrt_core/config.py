@@ -184,6 +184,10 @@ class LlguidanceConfig:
     mask_threads: Optional[int] = option(None, "Threads committing tokens and computing masks for a step's "
                                                "constrained rows (llguidance's pool); null: 80% of the cores, "
                                                "at most 32. Env LLGTRT_MASK_THREADS.")
+    slow_mask_ms: Optional[float] = option(0.5, "A grammar whose masks take this long or more on average (probed "
+                                                "in the background when it is first compiled) has its rows filled "
+                                                "apart from the batch's: steps do not wait for them, and its "
+                                                "tokens come slower; null: no probe, every row in the batch.")
     whitespace_flexible: bool = option(False, "JSON schemas: allow free whitespace between JSON tokens by "
                                               "default (a request's whitespace_pattern overrides it).")
     loop_guard: LoopGuardConfig = option(LoopGuardConfig(), "Loop-aware constrained decoding.")
@@ -193,6 +197,8 @@ class LlguidanceConfig:
         for key in ("compile_threads", "mask_threads"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"config key 'llguidance.{key}' must be at least 1")
+        if self.slow_mask_ms is not None and self.slow_mask_ms < 0:
+            raise ConfigError("config key 'llguidance.slow_mask_ms' must be at least 0")
 
 
 @dataclass(frozen=True)

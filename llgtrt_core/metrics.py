@@ -48,6 +48,8 @@ e2e_request_latency = Histogram("llgtrt:e2e_request_latency_seconds", "From subm
                                 buckets=_LATENCY_BUCKETS)
 preemptions = Counter("llgtrt:num_preemptions", "Running sequences whose KV blocks were taken back for others "
                       "(recomputed later).")
+mask_sit_outs = Counter("llgtrt:grammar_mask_sit_outs", "Steps a constrained sequence sat out because its slow "
+                        "grammar's token mask was not ready (its draw dropped, made again a step later).")
 # vLLM's names; counted in tokens, so hits / queries is the share of prompt tokens not computed.
 prefix_cache_queries = Counter("llgtrt:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
 prefix_cache_hits = Counter("llgtrt:prefix_cache_hits", "Prompt tokens found in the prefix cache (their KV reused, "

@@ -1,7 +1,7 @@
 """ConstraintStage with a fill begun ahead (overlapped steps), before the draw reached the host:
 each row's token is committed once, and the masks reach the rows the sequences hold at the next
 step, after some left and others joined; a step without a fill begun ahead commits the tokens the
-engine left uncommitted."""
+engine left uncommitted; a slow grammar's row, filled apart, sits a step out when its mask is late."""
 
 from __future__ import annotations
 
@@ -26,13 +26,21 @@ def allowed_tokens(mask: torch.Tensor) -> set[int]:
     return {t for t in range(BYTES.vocab_size) if mask[t // 32] >> (t % 32) & 1}
 
 
-def masks_by_row(stage: ConstraintStage, running: list[Sequence]) -> dict[int, torch.Tensor]:
+def masks_by_row(stage: ConstraintStage, running: list[Sequence], may_sit_out: bool = False
+                 ) -> tuple[dict[int, torch.Tensor], list[int]]:
+    """Row -> mask of one step's fill, and the rows sitting it out."""
     fill = stage.begin(running)
-    device_masks = stage.masks(fill, running, None)
+    device_masks, sitting_out = stage.masks(fill, running, None, lambda row: may_sit_out)
     assert device_masks is not None
     masks, rows = device_masks
-    assert sorted(rows.tolist()) == list(range(len(running)))  # every constrained row, once
-    return {row: masks[j] for j, row in enumerate(rows.tolist())}
+    assert sorted(rows.tolist() + sitting_out) == list(range(len(running)))  # every constrained row, once
+    return {row: masks[j] for j, row in enumerate(rows.tolist())}, sitting_out
+
+
+def step_masks(stage: ConstraintStage, running: list[Sequence]) -> dict[int, torch.Tensor]:
+    masks, sitting_out = masks_by_row(stage, running)
+    assert sitting_out == []
+    return masks
 
 
 def test_masks_begun_ahead_follow_their_sequences_to_their_new_rows() -> None:
@@ -41,7 +49,7 @@ def test_masks_begun_ahead_follow_their_sequences_to_their_new_rows() -> None:
     try:
         a, b, c = sequence("a", "ab+c"), sequence("b", "[0-9]x"), sequence("c", "(yes|no)!")
         running = [a, b, c]
-        masks_by_row(stage, running)  # the first step: nothing sampled yet
+        step_masks(stage, running)  # the first step: nothing sampled yet
         drawn = threading.Event()  # the draw is still on the device when the fill is begun
 
         def read_tokens() -> list[int]:
@@ -53,7 +61,7 @@ def test_masks_begun_ahead_follow_their_sequences_to_their_new_rows() -> None:
         # Meanwhile `a` finished, `c` moved into its row and `d` joined without a token.
         d = sequence("d", "z+")
         running = [c, b, d]
-        masks = masks_by_row(stage, running)
+        masks = step_masks(stage, running)
         for row, seq in enumerate(running):
             assert seq.request.constraint.error is None
             assert torch.equal(masks[row], llguidance_mask(seq.request.constraint.matcher))
@@ -62,7 +70,7 @@ def test_masks_begun_ahead_follow_their_sequences_to_their_new_rows() -> None:
             assert allowed_tokens(masks[row]) == tokens
         # A step with nothing begun ahead commits what the engine left uncommitted.
         c.uncommitted_token, b.uncommitted_token, d.uncommitted_token = ord("o"), ord("x"), ord("z")
-        masks = masks_by_row(stage, running)
+        masks = step_masks(stage, running)
         assert torch.equal(masks[0], llguidance_mask(c.request.constraint.matcher))
         assert allowed_tokens(masks[0]) == {ord("!")}
         assert all(seq.uncommitted_token is None for seq in running)
@@ -77,7 +85,7 @@ def test_nothing_is_begun_ahead_while_a_row_fast_forwards() -> None:
         a = sequence("a", "ab+c")
         a.fast_forward = True  # its commits happen on the engine thread, with its forced tokens
         assert not stage.begin_ahead([a], lambda: [ord("a")])
-        mask = masks_by_row(stage, [a])[0]  # "a" not committed: the start state's mask
+        mask = step_masks(stage, [a])[0]  # "a" not committed: the start state's mask
         assert allowed_tokens(mask) == {ord("a")}
     finally:
         stage.shutdown()
@@ -88,7 +96,7 @@ def test_a_failed_step_leaves_no_fill_begun_ahead_behind() -> None:
     stage.start()
     try:
         a = sequence("a", "ab+c")
-        masks_by_row(stage, [a])
+        step_masks(stage, [a])
 
         def failed_draw() -> list[int]:
             raise RuntimeError("the device failed")
@@ -96,7 +104,62 @@ def test_a_failed_step_leaves_no_fill_begun_ahead_behind() -> None:
         assert stage.begin_ahead([a], failed_draw)
         stage.discard_ahead()  # the engine's step failed: every running sequence ended with it
         b = sequence("b", "[0-9]x")
-        mask = masks_by_row(stage, [b])[0]  # masks_by_row asserts the fill did not fail
+        mask = step_masks(stage, [b])[0]  # step_masks asserts the fill did not fail
         assert allowed_tokens(mask) == {ord(d) for d in "0123456789"}
+    finally:
+        stage.shutdown()
+
+
+def slow(seq: Sequence) -> Sequence:
+    seq.request.constraint.mask_cost.slow = True  # as the compiler's probe marks a slow grammar
+    return seq
+
+
+def test_a_slow_grammars_row_sits_out_a_step_while_its_mask_filled_apart_is_late() -> None:
+    stage = ConstraintStage(MaskPostProcessor(BYTES, max_batch_size=3, num_threads=2), False, torch.device("cpu"))
+    stage.start()
+    try:
+        a, s, b = sequence("a", "ab+c"), slow(sequence("s", "(yes|no)!")), sequence("b", "[0-9]x")
+        running = [a, s, b]
+        first = step_masks(stage, running)  # nothing sampled; the slow row's first mask, filled apart, waited for
+        assert allowed_tokens(first[1]) == {ord("y"), ord("n")}
+        late = threading.Event()
+
+        def read_tokens() -> list[int]:  # the apart job's read of the draw is held up: its mask is late
+            if threading.current_thread().name.startswith("mask-fill-apart"):
+                assert late.wait(10)
+            return [ord("a"), ord("y"), ord("7")]
+
+        assert stage.begin_ahead(running, read_tokens)
+        masks, sitting_out = masks_by_row(stage, running, may_sit_out=True)
+        assert sitting_out == [1]  # the others' masks did not wait for it
+        assert allowed_tokens(masks[0]) == {ord("b")} and allowed_tokens(masks[2]) == {ord("x")}
+        # The next step: the rows that drew commit; the slow row keeps the mask on its way (its "y").
+        assert stage.begin_ahead(running, lambda: [ord("b"), ord("n"), ord("x")])
+        late.set()
+        masks = step_masks(stage, running)  # may not sit out: waits for the slow row's mask
+        assert allowed_tokens(masks[1]) == {ord("e")}  # "y" committed once; the dropped draw's "n" never
+        assert torch.equal(masks[1], llguidance_mask(s.request.constraint.matcher))
+        assert allowed_tokens(masks[0]) == {ord("b"), ord("c")} and allowed_tokens(masks[2]) == {BYTES.eos_token}
+    finally:
+        stage.shutdown()
+
+
+def test_a_step_waits_for_a_late_mask_rather_than_have_every_row_sit_out() -> None:
+    stage = ConstraintStage(MaskPostProcessor(BYTES, max_batch_size=2, num_threads=2), False, torch.device("cpu"))
+    stage.start()
+    try:
+        s = slow(sequence("s", "(yes|no)!"))
+        step_masks(stage, [s])
+        late = threading.Event()
+
+        def read_tokens() -> list[int]:
+            assert late.wait(10)
+            return [ord("n")]
+
+        assert stage.begin_ahead([s], read_tokens)
+        threading.Timer(0.2, late.set).start()
+        masks, sitting_out = masks_by_row(stage, [s], may_sit_out=True)  # alone: sitting out would gain nothing
+        assert sitting_out == [] and allowed_tokens(masks[0]) == {ord("o")}
     finally:
         stage.shutdown()

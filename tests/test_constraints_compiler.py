@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerFast
 from llgtrt_core.constraints import (GrammarCompiler, GrammarConstraint, GrammarRequestError, GrammarText,
                                     build_ll_tokenizer)
 from llgtrt_core.config import LlguidanceConfig
-from llgtrt_core.constraints.mask_probe import SLOW_MASK_S, mask_probe_seconds
+from llgtrt_core.constraints.mask_probe import mask_probe_seconds
 from llgtrt_core.constraints.request_grammar import json_schema_grammar
 
 BYTES = llguidance.LLTokenizer("byte")
@@ -180,18 +180,23 @@ def probe_warnings(compiler: GrammarCompiler, caplog: pytest.LogCaptureFixture) 
     return [r.getMessage() for r in caplog.records if "token masks take" in r.getMessage()]
 
 
-def test_a_new_grammar_whose_masks_are_slow_is_warned_of(caplog):
-    """A step waits for its slowest row's mask: a grammar slower than slow_mask_s slows every batch
-    it is in, so its probe says so, once, in the log."""
-    warned = probe_warnings(GrammarCompiler(BYTES, slow_mask_s=0.0), caplog)
+def test_a_new_grammar_whose_masks_are_slow_is_marked_and_warned_of(caplog):
+    """A grammar slower than slow_mask_s would hold up every step of a batch it is in: its probe
+    marks it slow (the engine fills its rows apart) and says so, once, in the log."""
+    slow = GrammarCompiler(BYTES, slow_mask_s=0.0)
+    warned = probe_warnings(slow, caplog)
     assert len(warned) == 1 and "16 probed" in warned[0] and "[0-9]+" in warned[0]
-    assert probe_warnings(GrammarCompiler(BYTES, slow_mask_s=60.0), caplog) == []  # no mask takes a minute
+    assert run(slow.compile(DIGITS)).mask_cost.slow and slow.new_constraint(run(slow.compile(DIGITS))).mask_cost.slow
+    fast = GrammarCompiler(BYTES, slow_mask_s=60.0)
+    assert probe_warnings(fast, caplog) == []  # no mask takes a minute
+    assert not run(fast.compile(DIGITS)).mask_cost.slow
     assert probe_warnings(GrammarCompiler(BYTES, slow_mask_s=None), caplog) == []
     worker = GrammarCompiler(BYTES, slow_mask_s=0.0)
     worker.compiled_by_engine = True  # an API worker: the engine process compiles and probes
     assert probe_warnings(worker, caplog) == []
     # The server's compilers (from its config) probe; one built outside it (a benchmark's) does not.
-    assert GrammarCompiler.from_config(BYTES, LlguidanceConfig()).slow_mask_s == SLOW_MASK_S
+    assert GrammarCompiler.from_config(BYTES, LlguidanceConfig()).slow_mask_s == 0.0005  # llguidance.slow_mask_ms
+    assert GrammarCompiler.from_config(BYTES, LlguidanceConfig(slow_mask_ms=None)).slow_mask_s is None
     assert GrammarCompiler(BYTES).slow_mask_s is None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -341,3 +342,53 @@ def test_decode_batch_buckets_step_by_16_to_256_then_by_32() -> None:
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert batch_buckets(300)[:7] == [1, 2, 4, 8, 16, 32, 48]
     assert batch_buckets(300)[-3:] == [256, 288, 300]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_slow_grammar_rows_that_sit_out_draw_what_waiting_would(model_dir: Path, device: str) -> None:
+    """A slow grammar's rows, filled apart, whose masks miss their steps (made certain: each fill
+    apart ends 20 ms late, test_slow_grammar_rows.py) sit them out; on CUDA under graphs, overlapped
+    steps and the fused sampler. Greedy and seeded fused draws are made again alike, a seeded top-p
+    row (its generator would move on) never sits out: every request gets the tokens it gets when
+    every step waits for its masks."""
+    from llguidance import LLTokenizer
+
+    from llgtrt_core.constraints import GrammarCompiler
+    from llgtrt_core.constraints.postprocessor import MaskPostProcessor
+    from llgtrt_core.constraints.request_grammar import json_schema_grammar
+
+    class LateMaskPostProcessor(MaskPostProcessor):
+        def fill_apart(self, rows):
+            time.sleep(0.02)
+            return super().fill_apart(rows)
+
+    schema = {"type": "object", "properties": {"note": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+              "required": ["note", "ok"], "additionalProperties": False}
+    byte_tokenizer = LLTokenizer("byte")
+    eos = frozenset(byte_tokenizer.eos_tokens)
+    model = random_model(ModelConfig.from_hf(TINY_LLAMA), MAX_LEN, torch.float32, torch.device(device), seed=7)
+    samplings = [SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=eos),
+                 SamplingParams(max_tokens=48, temperature=0.9, seed=11, stop_token_ids=eos),
+                 SamplingParams(max_tokens=48, temperature=0.9, top_p=0.8, seed=12, stop_token_ids=eos)]
+
+    def run(slow: bool) -> tuple[list[list[int]], int]:
+        compiler = GrammarCompiler(byte_tokenizer)
+        compiled = asyncio.run(compiler.compile(json_schema_grammar(schema)))
+        compiled.mask_cost.slow = slow
+        engine = TorchEngine(model_dir, TorchEngineConfig(max_batch_size=4, max_model_len=MAX_LEN, device=device,
+                                                          dtype="float32", fast_forward=False),
+                             LateMaskPostProcessor(byte_tokenizer, max_batch_size=4), model=model)
+        requests = [GenerationRequest(f"c{i}", list(range(10 + i, 30 + i)), sampling, compiler.new_constraint(compiled))
+                    for i, sampling in enumerate(samplings)]
+        requests.append(GenerationRequest("plain", list(range(40, 60)), SamplingParams(max_tokens=30, temperature=0.0)))
+        tokens = run_engine(engine, requests)
+        compiler.close()
+        return tokens, engine.num_sit_outs
+
+    waited, none_sat_out = run(slow=False)
+    sat, sit_outs = run(slow=True)
+    assert none_sat_out == 0 and sit_outs > 0
+    assert sat == waited
+    for tokens in sat[:3]:
+        document = json.loads(bytes(tokens))
+        assert isinstance(document["note"], str) and isinstance(document["ok"], bool)

@@ -27,7 +27,7 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llgtrt_core import metrics
 from llgtrt_core.constraints.errors import GrammarRequestError
 from llgtrt_core.constraints.loop_guard import LoopGuard, LoopGuardSettings
-from llgtrt_core.constraints.mask_probe import PROBE_TOKENS, SLOW_MASK_S, mask_probe_seconds
+from llgtrt_core.constraints.mask_probe import PROBE_TOKENS, mask_probe_seconds
 from llgtrt_core.constraints.request_grammar import NumberBounds, grammar_for_request, request_grammar
 
 __all__ = [
@@ -79,6 +79,16 @@ def parser_limits(config: Union[LLParserLimits, Mapping[str, Any], None] = None)
     return LLParserLimits(**options)
 
 
+class MaskCost:
+    """What the probe found of a grammar's masks, shared by every request's matcher of it; a grammar
+    not probed (yet, or ever) counts as fast."""
+
+    __slots__ = ("slow",)
+
+    def __init__(self) -> None:
+        self.slow = False  # its masks take `llguidance.slow_mask_ms` or more: its rows are filled apart from the batch
+
+
 @dataclass(frozen=True)
 class CompiledGrammar:
     grammar: str
@@ -87,6 +97,7 @@ class CompiledGrammar:
     # The tokens it forces before anything is sampled (a JSON schema's `{"`), found once here
     # rather than for every request as it is admitted; None: not known.
     start_forced: Optional[tuple[int, ...]] = None
+    mask_cost: MaskCost = field(default_factory=MaskCost, repr=False, compare=False)
 
 
 class GrammarText:
@@ -110,14 +121,16 @@ class GrammarText:
 class GrammarConstraint(GrammarText):
     """One request's matcher state, for an engine in this process."""
 
-    __slots__ = ("matcher", "loop_guard", "start_forced")
+    __slots__ = ("matcher", "loop_guard", "start_forced", "mask_cost")
 
     def __init__(self, matcher: LLMatcher, grammar: str = "", param: Optional[str] = None,
-                 loop_guard: Optional[LoopGuard] = None, start_forced: Optional[tuple[int, ...]] = None) -> None:
+                 loop_guard: Optional[LoopGuard] = None, start_forced: Optional[tuple[int, ...]] = None,
+                 mask_cost: Optional[MaskCost] = None) -> None:
         super().__init__(grammar, param)
         self.matcher = matcher
         self.start_forced = start_forced  # CompiledGrammar.start_forced, while the matcher is at its start
         self.loop_guard = loop_guard  # steers the answer out of a loop (constraints/loop_guard.py)
+        self.mask_cost = mask_cost or MaskCost()  # its grammar's, once probed
 
 
 def _first_mask_error(message: str) -> str:
@@ -153,9 +166,10 @@ class GrammarCompiler:
         """on_miss(grammar): called when a grammar's compile starts (the service tells the engine
         process, which compiles it too, so that both compiles run at once). compiled_by_engine: the
         engine compiles every request's grammar in its own process (`constraint`). slow_mask_s: each
-        new grammar's masks are probed in the background, and a mean past this is logged as a warning
-        (constraints/mask_probe.py), unless the engine compiles in its own process, which probes;
-        None (a compiler outside the server, e.g. a benchmark's): no probe."""
+        new grammar's masks are probed in the background, and a mean past this marks it slow
+        (`MaskCost`) and is logged as a warning (constraints/mask_probe.py), unless the engine
+        compiles in its own process, which probes; None (a compiler outside the server, e.g. a
+        benchmark's): no probe."""
         self.tokenizer = ll_tokenizer
         self.json_whitespace_flexible = json_whitespace_flexible  # server default for JSON schemas
         self.loop_guard = loop_guard
@@ -178,7 +192,7 @@ class GrammarCompiler:
     @classmethod
     def from_config(cls, ll_tokenizer: LLTokenizer, guidance: "LlguidanceConfig") -> "GrammarCompiler":
         """The compiler the `llguidance` config section describes (the serving and engine processes each
-        build one), warning of slow grammars."""
+        build one), probing new grammars for slow masks."""
         bounds = guidance.number_bounds
         return cls(ll_tokenizer, limits=dataclasses.asdict(guidance.limits), cache_size=guidance.grammar_cache_size,
                    max_workers=guidance.compile_threads, log_level=guidance.log_level,
@@ -188,7 +202,7 @@ class GrammarCompiler:
                    loop_guard_by_default=guidance.loop_guard.enabled,
                    number_bounds=(NumberBounds(bounds.integer_digits, bounds.fraction_digits) if bounds.enabled
                                   else None),
-                   slow_mask_s=SLOW_MASK_S)
+                   slow_mask_s=None if guidance.slow_mask_ms is None else guidance.slow_mask_ms / 1e3)
 
     async def compile(self, grammar: str, param: str = "response_format") -> CompiledGrammar:
         """Validate and compile in a worker thread, or answer from the cache.
@@ -255,7 +269,8 @@ class GrammarCompiler:
     def new_constraint(self, compiled: CompiledGrammar, param: Optional[str] = None, *,
                        loop_guard: Optional[LoopGuardSettings] = None) -> GrammarConstraint:
         guard = LoopGuard(loop_guard) if loop_guard is not None else None
-        return GrammarConstraint(compiled.matcher.deep_copy(), compiled.grammar, param, guard, compiled.start_forced)
+        return GrammarConstraint(compiled.matcher.deep_copy(), compiled.grammar, param, guard, compiled.start_forced,
+                                 compiled.mask_cost)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -280,7 +295,8 @@ class GrammarCompiler:
         return result
 
     def _probe(self, compiled: CompiledGrammar) -> None:
-        """Warn of a grammar whose masks are slow: every step of a batch it is in waits for them."""
+        """Mark a grammar whose masks are slow, and say so: the engine fills its rows apart from the
+        batch's, and its requests' tokens come slower than the others' (a step does not wait for them)."""
         rng = random.Random(zlib.crc32(compiled.grammar.encode()))
         try:
             times = mask_probe_seconds(compiled.matcher, PROBE_TOKENS, rng, self.tokenizer.eos_tokens)
@@ -289,8 +305,9 @@ class GrammarCompiler:
             return
         mean = statistics.fmean(times)
         if mean >= self.slow_mask_s:
-            logger.warning("a grammar's token masks take %.2f ms each (%d probed, the slowest %.2f ms): every "
-                           "step of a batch it is in waits for them; the grammar begins %r",
+            compiled.mask_cost.slow = True
+            logger.warning("a grammar's token masks take %.2f ms each (%d probed, the slowest %.2f ms): its rows "
+                           "are filled apart from the batch's and its tokens come slower; the grammar begins %r",
                            1e3 * mean, len(times), 1e3 * max(times), compiled.grammar[:160])
 
     def _compile(self, grammar: str) -> Union[CompiledGrammar, _Failure]:

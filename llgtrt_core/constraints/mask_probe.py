@@ -2,8 +2,9 @@
 
 A step's mask fill returns when its slowest row is done, so a grammar whose masks take milliseconds
 (a string `pattern` with `maxLength`: llguidance builds their product's lexer states as it goes)
-holds up every row batched with it (docs/benchmarks/engine.md, session 17). The compiler probes each
-new grammar in the background and warns of the slow ones; bench/slow_masks.py probes MaskBench.
+would hold up every row batched with it (docs/benchmarks/engine.md, session 17). The compiler probes
+each new grammar in the background and marks the slow ones, whose rows the engine fills apart from
+the batch's (engine/constraint_stage.py); bench/slow_masks.py probes MaskBench.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from llguidance import LLMatcher
 
 # A walk of 5-9 ms for a median MaskBench schema with 128k tokens (mostly reading the masks), 60-90 ms for the slowest.
 PROBE_TOKENS = 16
-SLOW_MASK_S = 0.001  # a mean past this is warned of: a batch-256 decode step on an H200 takes ~9 ms
 
 
 def mask_probe_seconds(template: LLMatcher, tokens: int, rng: random.Random,

@@ -10,6 +10,9 @@ engine's fused sampling) takes the uploaded masks from `upload` alone.
 An engine that can append several tokens in one forward pass (the PyTorch engine) instead
 commits each sampled token through `commit_with_forced`, which also returns the tokens the
 grammar forces next, committed too, for it to feed without sampling.
+Rows whose grammar is slow (probed at compile, `MaskCost`) can be filled apart (`fill_apart`, on
+another thread and a small pool of their own), so the batch's fill does not wait for them; the
+engine then takes their masks, when ready, into the step's buffer (`extend`).
 
 A row whose token is rejected, or whose matcher fails (e.g. a parser limit mid-generation),
 gets its constraint's `error` set and a mask allowing EOS only; the engine ends that request
@@ -36,6 +39,8 @@ from llgtrt_core.kernels import apply_token_bitmask_inplace
 
 logger = logging.getLogger(__name__)
 
+APART_THREADS = 2  # llguidance's pool for the rows filled apart (slow grammars: a few rows at a time)
+
 
 class MaskPostProcessor:
     """Implements `LogitsPostProcessor` and `FastForwarder` for rows whose constraint is a `GrammarConstraint`."""
@@ -43,6 +48,9 @@ class MaskPostProcessor:
     def __init__(self, ll_tokenizer: LLTokenizer, max_batch_size: int = 64, num_threads: Optional[int] = None):
         self.vocab_size = ll_tokenizer.vocab_size
         self.executor = LLExecutor(num_threads)  # default: 80% of the cores, up to 32
+        # The rows filled apart get a pool of their own: a thread of the batch's pool that waits for
+        # a stolen job may pick up a slow row's meanwhile, and the batch's fill would wait for it.
+        self._apart_executor: Optional[LLExecutor] = None
         self.pin_memory = torch.cuda.is_available()
         self._allocate_host(max_batch_size)
         self._device: Optional[DeviceCopies] = None
@@ -75,10 +83,47 @@ class MaskPostProcessor:
             self._fill_one(rows[0], host)
             self.phases.mark("one_row")
         elif count:
-            self._fill_batch(rows, host)
+            self._fill_batch(rows, host, self.executor, self.phases)
         steer_loops(rows, host, self._escapes)
         metrics.mask_fill_time.observe(time.perf_counter() - start)
         return self._host_views[offset + count]
+
+    def fills_apart(self, constraint: Constraint) -> bool:
+        """Whether `constraint`'s rows are better filled apart from the batch's: its grammar's masks are slow."""
+        cost = getattr(constraint, "mask_cost", None)  # a GrammarConstraint's; anything else is batched (and fails there)
+        return cost is not None and cost.slow
+
+    def fill_apart(self, rows: Sequence[ConstrainedRow]) -> torch.Tensor:
+        """`fill` for rows filled apart from the batch's (slow grammars), on another thread meanwhile: the
+        same commits, masks and loop steering, into a (len(rows), words) host buffer of their own. A
+        row that fails gets its constraint's error and the EOS-only mask; nothing raises."""
+        host = torch.empty(len(rows), self._host_masks.shape[1], dtype=torch.int32)
+        try:
+            if len(rows) == 1:
+                self._fill_one(rows[0], host)
+            else:
+                if self._apart_executor is None:
+                    self._apart_executor = LLExecutor(APART_THREADS)
+                self._fill_batch(rows, host, self._apart_executor)
+            steer_loops(rows, host, self._escapes)
+        except Exception as e:
+            logger.exception("mask fill apart failed")
+            for j, row in enumerate(rows):
+                row.constraint.fail(f"mask fill failed: {e}")  # type: ignore[attr-defined]
+                host[j] = self._eos_only
+        return host
+
+    def extend(self, masks: Optional[torch.Tensor], more: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The step's masks for `upload`: `masks` (what `fill` returned this step; None: it filled
+        none), then the rows of `more` (`fill_apart`'s), in the shared buffer."""
+        start = 0 if masks is None else masks.shape[0]
+        count = start + sum(part.shape[0] for part in more)
+        if self._copy_done is not None or count > self._capacity:
+            self._reserve(count, keep=start)
+        for part in more:
+            self._host_masks[start:start + part.shape[0]] = part
+            start += part.shape[0]
+        return self._host_views[count]
 
     def apply(
         self,
@@ -155,15 +200,16 @@ class MaskPostProcessor:
                 constraint.fail(f"grammar step failed at token {token}: {e}")
         self._settle(constraint, host, 0)
 
-    def _fill_batch(self, rows: Sequence[ConstrainedRow], host: torch.Tensor) -> None:
-        """Commit all new tokens, then all masks (into `host`'s rows), each on the executor's rayon
+    def _fill_batch(self, rows: Sequence[ConstrainedRow], host: torch.Tensor, executor: LLExecutor,
+                    phases: Optional[StepPhases] = None) -> None:
+        """Commit all new tokens, then all masks (into `host`'s rows), each on `executor`'s rayon
         pool (no GIL)."""
         constraints: list[GrammarConstraint] = [row.constraint for row in rows]  # type: ignore[misc]
         pending = [(j, row.new_token) for j, row in enumerate(rows)
                    if row.new_token is not None and constraints[j].error is None]
         if pending:
             try:
-                accepted = self.executor.consume_token_par([(constraints[j].matcher, t) for j, t in pending])
+                accepted = executor.consume_token_par([(constraints[j].matcher, t) for j, t in pending])
             except Exception:  # API misuse somewhere in the batch: retry row by row
                 logger.exception("batched token commit failed; committing row by row")
                 accepted = [self._consume_one(constraints[j], t) for j, t in pending]
@@ -171,21 +217,24 @@ class MaskPostProcessor:
                 for (j, token), ok in zip(pending, accepted):
                     if not ok:
                         self._reject(constraints[j], token)
-        self.phases.mark("commit")
+        if phases is not None:
+            phases.mark("commit")
         live = [(c.matcher, j) for j, c in enumerate(constraints) if c.error is None]
         try:
             if live:
-                self.executor.unsafe_compute_mask_ptr(live, host.data_ptr(), self._row_bytes, len(rows))
+                executor.unsafe_compute_mask_ptr(live, host.data_ptr(), self._row_bytes, len(rows))
         except Exception:  # one bad row must not cost the others their masks
             logger.exception("batched mask fill failed; filling row by row")
             for _, j in live:
                 self._compute_one(constraints[j], host, j)
-        self.phases.mark("masks")
+        if phases is not None:
+            phases.mark("masks")
         for j, constraint in enumerate(constraints):  # _settle, inlined: once per row per step
             if constraint.error is None and not constraint.matcher.is_error():
                 continue
             self._settle(constraint, host, j)
-        self.phases.mark("settle")
+        if phases is not None:
+            phases.mark("settle")
 
     def _consume_one(self, constraint: GrammarConstraint, token: int) -> bool:
         try:

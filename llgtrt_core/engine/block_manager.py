@@ -101,6 +101,12 @@ class BlockManager:
     def blocks_held(self, key: Hashable) -> int:
         return len(self.blocks(key))
 
+    def registered(self, key: Hashable, position: int) -> bool:
+        """Whether `key`'s `position` lies in a block that is (or may be) shared through the prefix
+        cache: its KV must not be written again."""
+        table = self._tables.get(key)
+        return table is not None and position // self.block_size < table.committed
+
     def lookup(self, tokens: Sequence[int], known: Sequence[bytes] = ()) -> PrefixHit:
         """The registered blocks that hold `tokens`' leading full blocks, before its last token
         (changes nothing). known: names already computed for these tokens' first blocks (an earlier

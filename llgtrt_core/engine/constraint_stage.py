@@ -13,18 +13,25 @@ schedules (at batch 256 the fill takes ~5-8 ms, a decode ~9 ms, and started only
 had read the tokens it was the step's critical path). The rows move meanwhile (finished ones
 leave, aborts, new prompts join), so the next `begin` matches the early masks to its rows by
 constraint, fills the rows that joined after them and `masks` drops those of rows that left.
+
+A slow grammar's rows (probed at compile: `MaskPostProcessor.fills_apart`) are filled apart, one
+job per step on a pool of their own, so the batch's fill returns without them (a step waited for
+its slowest row: 3-10 ms for a string `pattern` with `maxLength`). When such a row's mask is not
+ready at its draw, `masks` says it sits the step out (the engine drops its draw and decodes its
+previous token again); its mask stays on the way and serves the next step.
 """
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence as Seq
 
 import torch
 
-from llgtrt_core.engine.interface import ConstrainedRow, FastForwarder, StagedPostProcessor
+from llgtrt_core.engine.interface import (ApartFiller, ConstrainedRow, Constraint, FastForwarder,
+                                         StagedPostProcessor)
 from llgtrt_core.engine.sequence import Sequence
 from llgtrt_core.engine.step_profile import StepPhases
 from llgtrt_core.engine.sampler import DeviceMasks
@@ -37,6 +44,7 @@ class StepFill:
     rows: list[Optional[ConstrainedRow]]  # buffer row j's logits row now; None: its sequence left
     futures: list[Future]  # the fills on the worker thread, in buffer order; none when no row is constrained
     num_ahead: int = 0  # the first rows, filled by the fill begun ahead (it committed their tokens)
+    apart: list[ConstrainedRow] = field(default_factory=list)  # rows whose mask is filled apart (slow grammars)
 
     def error(self) -> Optional[BaseException]:
         """Wait for the fills; the first exception one raised, if any."""
@@ -54,15 +62,24 @@ class ConstraintStage:
         self.device = device
         self._pool: Optional[ThreadPoolExecutor] = None
         self._ahead: Optional[tuple[list[ConstrainedRow], Future]] = None  # the next step's fill, begun early
+        # Rows filled apart: by constraint, the job computing its next mask and its row in the job's
+        # masks, from its start until a draw takes the mask. Only the job touches that matcher meanwhile.
+        self._apart: dict[int, tuple[Future, int]] = {}
+        self._apart_pool: Optional[ThreadPoolExecutor] = None
 
     def start(self) -> None:
         if self.post_processor is not None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
+        if isinstance(self.post_processor, ApartFiller):
+            # Two: a row that sat out may still be filling when the others' next job starts.
+            self._apart_pool = ThreadPoolExecutor(2, thread_name_prefix="mask-fill-apart")
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        for pool in (self._pool, self._apart_pool):
+            if pool is not None:
+                pool.shutdown()
+        self._pool = self._apart_pool = None
+        self._apart.clear()
 
     def phases(self) -> Optional[StepPhases]:
         """The post-processor's fill phases, when it keeps them."""
@@ -79,19 +96,40 @@ class ConstraintStage:
 
     def begin_ahead(self, running: Seq[Sequence], read_tokens: Callable[[], Seq[int]]) -> bool:
         """Start the next step's fill on the fill's thread, which first calls `read_tokens()` (row i's
-        sampled token, waiting for the draw) and commits them; whether it started. Not when a row
-        fast-forwards: its commits happen on the engine thread as its tokens are handed out."""
+        sampled token, waiting for the draw) and commits them, and the rows filled apart in a job of
+        their own; whether it started. Not when a row fast-forwards: its commits happen on the engine
+        thread as its tokens are handed out. A row sitting out keeps the mask on its way."""
         if self._pool is None or any(seq.fast_forward for seq in running):
             return False
-        rows = [ConstrainedRow(seq.request.constraint, index, None)
-                for index, seq in enumerate(running) if seq.request.constraint is not None]
+        rows, apart = [], []
+        for index, seq in enumerate(running):
+            constraint = seq.request.constraint
+            if constraint is None or id(constraint) in self._apart:  # sitting out: its mask is on the way
+                continue
+            (apart if self._fills_apart(seq) else rows).append(ConstrainedRow(constraint, index, None))
         if rows:
             self._ahead = (rows, self._pool.submit(self._fill_ahead, rows, read_tokens))
+        if apart:
+            self._start_apart(apart, read_tokens)
         return True
 
     def _fill_ahead(self, rows: list[ConstrainedRow], read_tokens: Callable[[], Seq[int]]) -> torch.Tensor:
-        tokens = read_tokens()
-        return self.post_processor.fill([ConstrainedRow(row.constraint, row.row, tokens[row.row]) for row in rows])
+        return self.post_processor.fill(_with_tokens(rows, read_tokens()))
+
+    def _fills_apart(self, seq: Sequence) -> bool:
+        """A slow grammar's row, unless it fast-forwards (its commits are the engine thread's)."""
+        return self._apart_pool is not None and not seq.fast_forward and self.post_processor.fills_apart(
+            seq.request.constraint)
+
+    def _start_apart(self, rows: list[ConstrainedRow], read_tokens: Optional[Callable[[], Seq[int]]]) -> None:
+        """One job for these rows, which first reads their sampled tokens (read_tokens None: the
+        rows carry them)."""
+        job = self._apart_pool.submit(self._fill_apart, rows, read_tokens)
+        for j, row in enumerate(rows):
+            self._apart[id(row.constraint)] = (job, j)
+
+    def _fill_apart(self, rows: list[ConstrainedRow], read_tokens: Optional[Callable[[], Seq[int]]]) -> torch.Tensor:
+        return self.post_processor.fill_apart(rows if read_tokens is None else _with_tokens(rows, read_tokens()))
 
     def discard_ahead(self) -> None:
         """After a failed step: drop the fill begun ahead, once it is done with the mask buffer, and
@@ -99,6 +137,7 @@ class ConstraintStage:
         if self._ahead is not None:
             (_, future), self._ahead = self._ahead, None
             future.exception()
+        self._apart.clear()  # their sequences are gone; each job ends on its own
 
     def begin(self, running: Seq[Sequence]) -> StepFill:
         """Start this step's fill for the constrained running rows (their logits rows are their
@@ -113,25 +152,68 @@ class ConstraintStage:
         for row in ahead_rows:  # mostly still where they were: the same row (its new_token is None)
             now = index.pop(id(row.constraint), None)
             placed.append(row if now == row.row else None if now is None else ConstrainedRow(row.constraint, now, None))
-        rows = [ConstrainedRow(running[i].request.constraint, i, running[i].uncommitted_token) for i in index.values()]
+        rows, apart, new_apart = [], [], []
+        for key, i in index.items():
+            seq = running[i]
+            row = ConstrainedRow(seq.request.constraint, i, seq.uncommitted_token)
+            if key in self._apart:  # filled apart, its mask on the way
+                apart.append(row)
+            elif self._fills_apart(seq):
+                new_apart.append(row)
+                seq.uncommitted_token = None  # the job commits it
+            else:
+                rows.append(row)
+        if new_apart:
+            self._start_apart(new_apart, None)
+        if self._apart:
+            self._forget_apart(running)
         if rows and self._pool is not None:
             futures.append(self._pool.submit(self.post_processor.fill, rows, len(ahead_rows)))
-        return StepFill(placed + rows, futures, len(placed))
+        return StepFill(placed + rows, futures, len(placed), apart + new_apart)
 
-    def masks(self, fill: StepFill, running: Seq[Sequence], stream: Optional[torch.cuda.Stream]
-              ) -> Optional[DeviceMasks]:
-        """The step's masks on the device, for the sampler to apply; None when no row is constrained
-        or the fill failed (its rows then end with an error, the others go on unmasked)."""
+    def _forget_apart(self, running: Seq[Sequence]) -> None:
+        """Drop the finished jobs' masks of sequences no longer running (a job still running keeps
+        its entry: its matcher may run again, as a preempted sequence comes back)."""
+        live = {id(seq.request.constraint) for seq in running}
+        for key in [key for key, (job, _) in self._apart.items() if key not in live and job.done()]:
+            del self._apart[key]
+
+    def masks(self, fill: StepFill, running: Seq[Sequence], stream: Optional[torch.cuda.Stream],
+              may_sit_out: Callable[[int], bool] = lambda row: False) -> tuple[Optional[DeviceMasks], list[int]]:
+        """The step's masks on the device, for the sampler to apply (None when no row is constrained
+        or the fill failed: its rows then end with an error, the others go on unmasked), and the rows
+        that sit this step out: filled apart, their mask not ready, and `may_sit_out` (their draw can
+        be made again alike). Unless every row would: then the step waits for them."""
         for row in fill.rows[fill.num_ahead:]:  # the fill begun ahead committed its rows' tokens itself
             running[row.row].uncommitted_token = None
+        rows: list[ConstrainedRow] = []
+        host: Optional[torch.Tensor] = None
         error = fill.error()
         if error is not None:
             logger.error("mask fill failed", exc_info=error)
-            return None
-        if not fill.futures:
-            return None
-        rows, host = _drop_left(fill.rows, fill.futures[-1].result())
-        return self.post_processor.upload(rows, host, self.device, stream) if rows else None
+        elif fill.futures:
+            rows, host = _drop_left(fill.rows, fill.futures[-1].result())
+        sitting_out = [row.row for row in fill.apart
+                       if not self._apart[id(row.constraint)][0].done() and may_sit_out(row.row)]
+        if len(sitting_out) == len(running):
+            sitting_out = []
+        taken = [row for row in fill.apart if row.row not in sitting_out]
+        if taken:
+            host = self.post_processor.extend(host, [self._take_apart(row.constraint) for row in taken])
+            rows += [ConstrainedRow(row.constraint, row.row, None) for row in taken]
+        if not rows:
+            return None, sitting_out
+        return self.post_processor.upload(rows, host, self.device, stream), sitting_out
+
+    def _take_apart(self, constraint: Constraint) -> torch.Tensor:
+        """The row's mask filled apart, waited for: its job's row (1, words)."""
+        job, j = self._apart.pop(id(constraint))
+        return job.result()[j:j + 1]
+
+
+def _with_tokens(rows: list[ConstrainedRow], tokens: Seq[int]) -> list[ConstrainedRow]:
+    """The rows, each with its sampled token (row i's is tokens[i]) to commit."""
+    return [ConstrainedRow(row.constraint, row.row, tokens[row.row]) for row in rows]
 
 
 def _drop_left(rows: list[Optional[ConstrainedRow]], host: torch.Tensor) -> tuple[list[ConstrainedRow], torch.Tensor]:

@@ -143,6 +143,23 @@ class FastForwarder(Protocol):
         ...
 
 
+@runtime_checkable
+class ApartFiller(Protocol):
+    """A post-processor that knows which constraints' masks are slow and can fill those rows apart
+    from the step's batch (on another thread), so the batch's fill need not wait for them."""
+
+    def fills_apart(self, constraint: Constraint) -> bool: ...
+
+    def fill_apart(self, rows: Sequence[ConstrainedRow]) -> torch.Tensor:
+        """`fill` for these rows into a (len(rows), words) host buffer of their own; never raises
+        (a failed row gets its constraint's error and the EOS-only mask)."""
+        ...
+
+    def extend(self, masks: Optional[torch.Tensor], more: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The step's host masks for `upload`: `masks` (this step's `fill`; None: none) then the rows of `more`."""
+        ...
+
+
 @dataclass
 class GenerationRequest:
     request_id: str

@@ -131,6 +131,10 @@ class KVCache:
     def blocks_for(self, positions: int) -> int:
         return self.blocks.blocks_for(positions)
 
+    def shared(self, row: int, position: int) -> bool:
+        """Whether row `row`'s `position` may be read by another row (a prefix-cache block)."""
+        return self.blocks.registered(row, position)
+
     def lookup(self, tokens: list[int], known: tuple[bytes, ...] = ()) -> PrefixHit:
         """`tokens`' leading blocks in the prefix cache (changes nothing); see BlockManager.lookup."""
         return self.blocks.lookup(tokens, known)

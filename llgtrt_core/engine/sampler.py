@@ -306,15 +306,23 @@ class BatchSampler:
         """`sample_async`, waited for."""
         return self.sample_async(logits, raw_logprobs, masks).result()
 
+    def redraws_alike(self, row: int) -> bool:
+        """Whether `row`'s draw, dropped, is made again alike a step later: greedy, or the fused kernel
+        (its noise is keyed by the tokens generated, which a dropped draw does not count); a draw
+        from the row's generator would move it on."""
+        return self._fused[row] or self._params[row].greedy
+
     @torch.inference_mode()
     def sample_async(self, logits: torch.Tensor, raw_logprobs: Optional[torch.Tensor] = None,
-                     masks: Optional[DeviceMasks] = None) -> PendingSample:
+                     masks: Optional[DeviceMasks] = None, dropped: Sequence[int] = ()) -> PendingSample:
         """logits: (n, vocab) float32 of rows 0..n-1. Queues one draw per row; the logits are not
         needed once this returns (the next forward pass may overwrite them).
 
         masks: the constraint masks, not yet applied (on the logits' device); without them the
         logits count as constrained already. raw_logprobs: what `raw_logprobs` returned before a
         constraint mask was applied; without it, the logits given here count as the raw ones.
+        dropped: rows whose draw the engine drops (`redraws_alike` rows): the token counts that
+        penalties, min_tokens and the fused seeds read stay as they were.
         """
         n = logits.shape[0]
         params: list[SamplingParams] = self._params[:n]  # type: ignore[assignment]
@@ -334,7 +342,7 @@ class BatchSampler:
                 fused_rows = self._table[:n, _Col.FUSED].bool()
                 tokens = torch.where(fused_rows, self._sample_fused(logits, None), tokens)
             pending = self._read_back(params, tokens, raw_logprobs, processed_scores)
-        self._record(tokens)
+        self._record(tokens, dropped)
         return pending
 
     def _sample_fused(self, logits: torch.Tensor, masks: Optional[DeviceMasks]) -> torch.Tensor:
@@ -456,9 +464,15 @@ class BatchSampler:
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, pin_memory=self._pinned).to(self.device, non_blocking=True)
 
-    def _record(self, tokens: torch.Tensor) -> None:
+    def _record(self, tokens: torch.Tensor, dropped: Sequence[int]) -> None:
         n = tokens.shape[0]
-        self._generated[:n] += 1
+        if dropped:
+            counted = torch.ones(n, dtype=torch.int32, pin_memory=self._pinned)
+            counted[list(dropped)] = 0
+            counted = counted.to(self.device, non_blocking=True)
+            self._generated[:n] += counted
+        else:
+            self._generated[:n] += 1
         if self._output_counts is not None:
-            ones = torch.ones(n, 1, dtype=torch.int32, device=tokens.device)
+            ones = counted.unsqueeze(1) if dropped else torch.ones(n, 1, dtype=torch.int32, device=tokens.device)
             self._output_counts[:n].scatter_add_(1, tokens.unsqueeze(1), ones)

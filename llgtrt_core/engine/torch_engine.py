@@ -64,6 +64,7 @@ from llgtrt_core.engine.sampler import BatchSampler
 from llgtrt_core.engine.scheduler import Scheduler
 from llgtrt_core.engine.sequence import Sequence, StepPlan
 from llgtrt_core.engine.step_profile import StepLog, StepPhases, StepTrace
+from llgtrt_core.kernels import int64_to_device
 from llgtrt_core.models.llama import LlamaForCausalLM
 from llgtrt_core.models.loader import load_config, load_model
 
@@ -194,6 +195,7 @@ class TorchEngine(Engine):
         self.sampler = BatchSampler(config.max_batch_size, self.vocab_size, self.device)
         self.constraints = ConstraintStage(post_processor, config.fast_forward, self.device)
         self.num_steps = 0  # forward steps run: what fast-forward saves
+        self.num_sit_outs = 0  # draws dropped: a row's mask, filled apart, was not ready (constraint_stage.py)
         self.trace = StepTrace.from_env()
         self.phases = StepPhases(self.trace, StepLog.from_env())  # the engine thread's step loop, phase by phase
         self._ran: dict[str, int] = {}  # what this step ran, for the step log
@@ -424,16 +426,19 @@ class TorchEngine(Engine):
         self._emit_prefilled(plan)
         if logits is None:  # only part of a prompt ran: nothing to sample
             return
-        masks = self.constraints.masks(fill, running, self._stream())
+        masks, sitting_out = self.constraints.masks(fill, running, self._stream(), self._may_sit_out)
+        if self._ran and sitting_out:  # logging
+            self._ran["sat_out"] = len(sitting_out)
         self.phases.mark("mask_upload")
         apply_dry(logits, [(i, seq.token_ids, seq.request.sampling.dry) for i, seq in enumerate(running)
                            if seq.request.sampling.dry is not None])
-        pending = self.sampler.sample_async(logits, None, masks)
+        pending = self.sampler.sample_async(logits, None, masks, dropped=sitting_out)
         self.phases.mark("sample")
         # The next step's fill commits these tokens as soon as they reach the host, while the next
         # decode is queued, the tokens handed out and the next step scheduled.
         committed = self.overlap_steps and self.constraints.begin_ahead(running, lambda: pending.result().token_ids)
-        fed = self.overlap_steps and self._queue_ahead(running, pending.tokens)
+        tokens = self._sit_out(running, sitting_out, pending.tokens)
+        fed = self.overlap_steps and self._queue_ahead(running, tokens)
         sampled = pending.result()
         self.phases.mark("gpu_wait")
         failed = fill.failed_rows()
@@ -442,6 +447,10 @@ class TorchEngine(Engine):
             if index in failed:
                 self._finish(seq, "error", error=f"mask fill failed: {fill.error()}")
                 reason: Optional[FinishReason] = "error"
+            elif index in sitting_out:
+                seq.length += fed  # the decode queued ahead holds its previous token again
+                seq.pending_tokens = [] if fed else seq.pending_tokens
+                continue
             else:
                 reason = self._advance(index, seq, token, logprob, fed, committed)
             if reason is not None:
@@ -449,6 +458,31 @@ class TorchEngine(Engine):
         for index in reversed(finished):
             self.scheduler.remove(index)
         self.phases.mark("advance")
+
+    def _may_sit_out(self, row: int) -> bool:
+        """Whether row `row` may sit this step out (its mask, filled apart, is not ready): its draw is
+        made again alike a step later, and its last cached position, which it decodes again, is its
+        own (not a block shared through the prefix cache)."""
+        seq = self.scheduler.running[row]
+        return self.sampler.redraws_alike(row) and not self.cache.shared(row, seq.length - 1)
+
+    def _sit_out(self, running: list[Sequence], rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """The rows sitting out step back one position, to decode their previous token again there
+        (the same KV rewritten, their logits made again for the draw they dropped); `tokens` (the
+        draws, on the device) with theirs put back, for a decode queued ahead."""
+        if not rows:
+            return tokens
+        self.num_sit_outs += len(rows)
+        metrics.mask_sit_outs.inc(len(rows))
+        previous = []
+        for index in rows:
+            seq = running[index]
+            seq.length -= 1
+            seq.pending_tokens = [seq.token_ids[-1]]
+            previous.append(seq.token_ids[-1])
+        tokens = tokens.clone()
+        tokens[int64_to_device(rows, self.device)] = int64_to_device(previous, self.device)
+        return tokens
 
     def _rides_ahead(self) -> bool:
         """Whether this step will queue the next decode ahead with room for prompts to ride in it:
