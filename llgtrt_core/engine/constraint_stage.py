@@ -200,7 +200,7 @@ class ConstraintStage:
         taken = [row for row in fill.apart if row.row not in sitting_out]
         if taken:
             host = self.post_processor.extend(host, [self._take_apart(row.constraint) for row in taken])
-            rows += [ConstrainedRow(row.constraint, row.row, None) for row in taken]
+            rows += taken
         if not rows:
             return None, sitting_out
         return self.post_processor.upload(rows, host, self.device, stream), sitting_out
