@@ -294,6 +294,20 @@ def test_triton_decode_equals_the_torch_ops_for_a_qwen3_shape() -> None:
         torch.testing.assert_close(fused_layer, plain_layer, rtol=1e-5, atol=1e-5)
 
 
+def run_with_grammar(model_dir: Path, model, device: str, post_processor, compiler, compiled,
+                     samplings: list[SamplingParams], plain_max_tokens: int, **config) -> tuple[list[list[int]], TorchEngine]:
+    """One constrained request per sampling (prompts 10+i..29+i) and a plain greedy one (40..59) on a
+    fresh engine of the tiny model: each one's tokens, and the engine."""
+    engine = TorchEngine(model_dir, TorchEngineConfig(max_batch_size=len(samplings) + 1, max_model_len=MAX_LEN,
+                                                      device=device, dtype="float32", **config),
+                         post_processor, model=model)
+    requests = [GenerationRequest(f"c{i}", list(range(10 + i, 30 + i)), sampling, compiler.new_constraint(compiled))
+                for i, sampling in enumerate(samplings)]
+    requests.append(GenerationRequest("plain", list(range(40, 60)),
+                                      SamplingParams(max_tokens=plain_max_tokens, temperature=0.0)))
+    return run_engine(engine, requests), engine
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_fast_forward_gives_the_same_constrained_tokens_in_fewer_steps(model_dir: Path, device: str) -> None:
     """Forced runs appended with extend() (on CUDA beside graph decode) change nothing but the step
@@ -315,14 +329,9 @@ def test_fast_forward_gives_the_same_constrained_tokens_in_fewer_steps(model_dir
     def run(fast_forward: bool) -> tuple[list[list[int]], int]:
         compiler = GrammarCompiler(byte_tokenizer)
         compiled = asyncio.run(compiler.compile(json_schema_grammar(schema)))
-        engine = TorchEngine(model_dir, TorchEngineConfig(max_batch_size=3, max_model_len=MAX_LEN, device=device,
-                                                          dtype="float32", fast_forward=fast_forward),
-                             MaskPostProcessor(byte_tokenizer, max_batch_size=3), model=model)
-        requests = [GenerationRequest(f"c{i}", list(range(10 + i, 30 + i)),
-                                      SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=eos),
-                                      compiler.new_constraint(compiled)) for i in range(2)]
-        requests.append(GenerationRequest("plain", list(range(40, 60)), SamplingParams(max_tokens=20, temperature=0.0)))
-        tokens = run_engine(engine, requests)
+        sampling = SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=eos)
+        tokens, engine = run_with_grammar(model_dir, model, device, MaskPostProcessor(byte_tokenizer, max_batch_size=3),
+                                          compiler, compiled, [sampling, sampling], 20, fast_forward=fast_forward)
         compiler.close()
         return tokens, engine.num_steps
 
@@ -375,13 +384,8 @@ def test_slow_grammar_rows_that_sit_out_draw_what_waiting_would(model_dir: Path,
         compiler = GrammarCompiler(byte_tokenizer)
         compiled = asyncio.run(compiler.compile(json_schema_grammar(schema)))
         compiled.mask_cost.slow = slow
-        engine = TorchEngine(model_dir, TorchEngineConfig(max_batch_size=4, max_model_len=MAX_LEN, device=device,
-                                                          dtype="float32", fast_forward=False),
-                             LateMaskPostProcessor(byte_tokenizer, max_batch_size=4), model=model)
-        requests = [GenerationRequest(f"c{i}", list(range(10 + i, 30 + i)), sampling, compiler.new_constraint(compiled))
-                    for i, sampling in enumerate(samplings)]
-        requests.append(GenerationRequest("plain", list(range(40, 60)), SamplingParams(max_tokens=30, temperature=0.0)))
-        tokens = run_engine(engine, requests)
+        tokens, engine = run_with_grammar(model_dir, model, device, LateMaskPostProcessor(byte_tokenizer, max_batch_size=4),
+                                          compiler, compiled, samplings, 30, fast_forward=False)
         compiler.close()
         return tokens, engine.num_sit_outs
 
