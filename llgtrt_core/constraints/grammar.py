@@ -306,8 +306,9 @@ class GrammarCompiler:
         mean = statistics.fmean(times)
         if mean >= self.slow_mask_s:
             compiled.mask_cost.slow = True
-            logger.warning("a grammar's token masks take %.2f ms each (%d probed, the slowest %.2f ms): its rows "
-                           "are filled apart from the batch's and its tokens come slower; the grammar begins %r",
+            logger.warning("a grammar's token masks take %.2f ms each (%d probed, the slowest %.2f ms): marked slow, "
+                           "its rows are filled apart from the batch's unless they fast-forward (CPU); the grammar "
+                           "begins %r",
                            1e3 * mean, len(times), 1e3 * max(times), compiled.grammar[:160])
 
     def _compile(self, grammar: str) -> Union[CompiledGrammar, _Failure]:
