@@ -78,13 +78,7 @@ class MaskPostProcessor:
             self._reserve(offset + count, keep=offset)
         start = time.perf_counter()
         self.phases.begin()
-        host = self._host_masks[offset:]
-        if count == 1:  # no thread hand-off for a lone row
-            self._fill_one(rows[0], host)
-            self.phases.mark("one_row")
-        elif count:
-            self._fill_batch(rows, host, self.executor, self.phases)
-        steer_loops(rows, host, self._escapes)
+        self._fill_rows(rows, self._host_masks[offset:], self.executor, self.phases)
         metrics.mask_fill_time.observe(time.perf_counter() - start)
         return self._host_views[offset + count]
 
@@ -98,14 +92,10 @@ class MaskPostProcessor:
         same commits, masks and loop steering, into a (len(rows), words) host buffer of their own. A
         row that fails gets its constraint's error and the EOS-only mask; nothing raises."""
         host = torch.empty(len(rows), self._host_masks.shape[1], dtype=torch.int32)
+        if self._apart_executor is None:
+            self._apart_executor = LLExecutor(APART_THREADS)
         try:
-            if len(rows) == 1:
-                self._fill_one(rows[0], host)
-            else:
-                if self._apart_executor is None:
-                    self._apart_executor = LLExecutor(APART_THREADS)
-                self._fill_batch(rows, host, self._apart_executor)
-            steer_loops(rows, host, self._escapes)
+            self._fill_rows(rows, host, self._apart_executor)
         except Exception as e:
             logger.exception("mask fill apart failed")
             for j, row in enumerate(rows):
@@ -184,6 +174,17 @@ class MaskPostProcessor:
         if grammar.loop_guard is not None:
             grammar.loop_guard.observe_all(forced if token is None else [token, *forced])
         return forced
+
+    def _fill_rows(self, rows: Sequence[ConstrainedRow], host: torch.Tensor, executor: LLExecutor,
+                   phases: Optional[StepPhases] = None) -> None:
+        """Commit and compute `rows`' masks into `host`'s first rows, then steer the looping ones."""
+        if len(rows) == 1:  # no thread hand-off for a lone row
+            self._fill_one(rows[0], host)
+            if phases is not None:
+                phases.mark("one_row")
+        elif rows:
+            self._fill_batch(rows, host, executor, phases)
+        steer_loops(rows, host, self._escapes)
 
     def _fill_one(self, row: ConstrainedRow, host: torch.Tensor) -> None:
         """The batch path's steps inlined: this runs once per token of a lone request."""
