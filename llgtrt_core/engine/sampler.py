@@ -466,13 +466,11 @@ class BatchSampler:
 
     def _record(self, tokens: torch.Tensor, dropped: Sequence[int]) -> None:
         n = tokens.shape[0]
+        counted = None  # rows whose draw counts: all but the dropped ones
         if dropped:
-            counted = torch.ones(n, dtype=torch.int32, pin_memory=self._pinned)
-            counted[list(dropped)] = 0
-            counted = counted.to(self.device, non_blocking=True)
-            self._generated[:n] += counted
-        else:
-            self._generated[:n] += 1
+            out = set(dropped)
+            counted = self._to_device([0 if row in out else 1 for row in range(n)], torch.int32)
+        self._generated[:n] += 1 if counted is None else counted
         if self._output_counts is not None:
-            ones = counted.unsqueeze(1) if dropped else torch.ones(n, 1, dtype=torch.int32, device=tokens.device)
-            self._output_counts[:n].scatter_add_(1, tokens.unsqueeze(1), ones)
+            ones = torch.ones(n, dtype=torch.int32, device=tokens.device) if counted is None else counted
+            self._output_counts[:n].scatter_add_(1, tokens.unsqueeze(1), ones.unsqueeze(1))
