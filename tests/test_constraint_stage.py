@@ -5,7 +5,9 @@ engine left uncommitted; a slow grammar's row, filled apart, sits a step out whe
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from typing import Iterator
 
 import torch
 
@@ -26,6 +28,17 @@ def allowed_tokens(mask: torch.Tensor) -> set[int]:
     return {t for t in range(BYTES.vocab_size) if mask[t // 32] >> (t % 32) & 1}
 
 
+@contextlib.contextmanager
+def started_stage(max_batch_size: int, fast_forward: bool = False) -> Iterator[ConstraintStage]:
+    stage = ConstraintStage(MaskPostProcessor(BYTES, max_batch_size=max_batch_size, num_threads=2), fast_forward,
+                            torch.device("cpu"))
+    stage.start()
+    try:
+        yield stage
+    finally:
+        stage.shutdown()
+
+
 def masks_by_row(stage: ConstraintStage, running: list[Sequence], may_sit_out: bool = False
                  ) -> tuple[dict[int, torch.Tensor], list[int]]:
     """Row -> mask of one step's fill, and the rows sitting it out."""
@@ -44,9 +57,7 @@ def step_masks(stage: ConstraintStage, running: list[Sequence]) -> dict[int, tor
 
 
 def test_masks_begun_ahead_follow_their_sequences_to_their_new_rows() -> None:
-    stage = ConstraintStage(MaskPostProcessor(BYTES, max_batch_size=3, num_threads=2), False, torch.device("cpu"))
-    stage.start()
-    try:
+    with started_stage(3) as stage:
         a, b, c = sequence("a", "ab+c"), sequence("b", "[0-9]x"), sequence("c", "(yes|no)!")
         running = [a, b, c]
         step_masks(stage, running)  # the first step: nothing sampled yet
@@ -74,27 +85,19 @@ def test_masks_begun_ahead_follow_their_sequences_to_their_new_rows() -> None:
         assert torch.equal(masks[0], llguidance_mask(c.request.constraint.matcher))
         assert allowed_tokens(masks[0]) == {ord("!")}
         assert all(seq.uncommitted_token is None for seq in running)
-    finally:
-        stage.shutdown()
 
 
 def test_nothing_is_begun_ahead_while_a_row_fast_forwards() -> None:
-    stage = ConstraintStage(MaskPostProcessor(BYTES, max_batch_size=2, num_threads=2), True, torch.device("cpu"))
-    stage.start()
-    try:
+    with started_stage(2, fast_forward=True) as stage:
         a = sequence("a", "ab+c")
         a.fast_forward = True  # its commits happen on the engine thread, with its forced tokens
         assert not stage.begin_ahead([a], lambda: [ord("a")])
         mask = step_masks(stage, [a])[0]  # "a" not committed: the start state's mask
         assert allowed_tokens(mask) == {ord("a")}
-    finally:
-        stage.shutdown()
 
 
 def test_a_failed_step_leaves_no_fill_begun_ahead_behind() -> None:
-    stage = ConstraintStage(MaskPostProcessor(BYTES, max_batch_size=2, num_threads=2), False, torch.device("cpu"))
-    stage.start()
-    try:
+    with started_stage(2) as stage:
         a = sequence("a", "ab+c")
         step_masks(stage, [a])
 
@@ -106,8 +109,6 @@ def test_a_failed_step_leaves_no_fill_begun_ahead_behind() -> None:
         b = sequence("b", "[0-9]x")
         mask = step_masks(stage, [b])[0]  # step_masks asserts the fill did not fail
         assert allowed_tokens(mask) == {ord(d) for d in "0123456789"}
-    finally:
-        stage.shutdown()
 
 
 def slow(seq: Sequence) -> Sequence:
@@ -116,9 +117,7 @@ def slow(seq: Sequence) -> Sequence:
 
 
 def test_a_slow_grammars_row_sits_out_a_step_while_its_mask_filled_apart_is_late() -> None:
-    stage = ConstraintStage(MaskPostProcessor(BYTES, max_batch_size=3, num_threads=2), False, torch.device("cpu"))
-    stage.start()
-    try:
+    with started_stage(3) as stage:
         a, s, b = sequence("a", "ab+c"), slow(sequence("s", "(yes|no)!")), sequence("b", "[0-9]x")
         running = [a, s, b]
         first = step_masks(stage, running)  # nothing sampled; the slow row's first mask, filled apart, waited for
@@ -141,14 +140,10 @@ def test_a_slow_grammars_row_sits_out_a_step_while_its_mask_filled_apart_is_late
         assert allowed_tokens(masks[1]) == {ord("e")}  # "y" committed once; the dropped draw's "n" never
         assert torch.equal(masks[1], llguidance_mask(s.request.constraint.matcher))
         assert allowed_tokens(masks[0]) == {ord("b"), ord("c")} and allowed_tokens(masks[2]) == {BYTES.eos_token}
-    finally:
-        stage.shutdown()
 
 
 def test_a_step_waits_for_a_late_mask_rather_than_have_every_row_sit_out() -> None:
-    stage = ConstraintStage(MaskPostProcessor(BYTES, max_batch_size=2, num_threads=2), False, torch.device("cpu"))
-    stage.start()
-    try:
+    with started_stage(2) as stage:
         s = slow(sequence("s", "(yes|no)!"))
         step_masks(stage, [s])
         late = threading.Event()
@@ -161,5 +156,3 @@ def test_a_step_waits_for_a_late_mask_rather_than_have_every_row_sit_out() -> No
         threading.Timer(0.2, late.set).start()
         masks, sitting_out = masks_by_row(stage, [s], may_sit_out=True)  # alone: sitting out would gain nothing
         assert sitting_out == [] and allowed_tokens(masks[0]) == {ord("o")}
-    finally:
-        stage.shutdown()
