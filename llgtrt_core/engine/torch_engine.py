@@ -209,9 +209,8 @@ class TorchEngine(Engine):
         # Process-wide too: the engine thread drops the GIL at every device sync, and while the event
         # loop is busy streaming each re-acquisition waited out the 5 ms default (a 9 ms GPU step took
         # 40 ms at 256 streams, docs/benchmarks/engine.md). On CUDA the mask fill's thread takes it back
-        # after each llguidance call while the engine thread hands out tokens: 0.1 ms rather than 0.5 ms
-        # took batch-256 constrained / plain time per token from 1.06-1.09 to 1.03-1.04; on the CPU it
-        # made the decode step's background compile take 119 s instead of 97-100 s (session 18).
+        # after each llguidance call while the engine thread hands out tokens, hence 0.1 ms there; on the
+        # CPU so short an interval slowed the decode step's background compile (session 18).
         interval = GIL_SWITCH_INTERVAL_CUDA_S if self.device.type == "cuda" else GIL_SWITCH_INTERVAL_S
         sys.setswitchinterval(min(sys.getswitchinterval(), interval))
         if self.model is None:
