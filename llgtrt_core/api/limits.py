@@ -2,9 +2,9 @@
 
 Generation requests take one place per sequence they ask for (prompts x choices) from the moment
 they are planned (`admit`, called where every generation starts) until their response, streamed or
-not, ends. Requests not yet holding their places are the queue: past `max_queued` of them while
-every place is taken, a request is refused at once with 429 and Retry-After, before its body is
-read. Both are pure ASGI middlewares, so streaming and disconnect detection pass through untouched.
+not, ends. Requests not yet holding their places, beyond those the free places will take, are the
+queue: past `max_queued` of them, a request is refused at once with 429 and Retry-After, before its
+body is read. Both are pure ASGI middlewares, so streaming and disconnect detection pass through untouched.
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ class Places:
         self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
 
     @property
-    def exhausted(self) -> bool:
-        return self.free == 0 or bool(self._waiters)
+    def available(self) -> int:
+        """Places a request arriving now could take without waiting."""
+        return 0 if self._waiters else self.free
 
     async def acquire(self, wanted: int) -> int:
         """Take `wanted` places (at most all of them, so every request can run); returns how many."""
@@ -170,7 +171,9 @@ class AdmissionLimit:
         self.num_waiting = 0  # requests in, not yet holding their places
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.places is not None and self.places.exhausted and self.num_waiting >= self.max_queued:
+        # Requests already in but not yet at `admit` count against the free places (one each): a burst
+        # that arrives before any of them has planned would otherwise all be let in.
+        if self.places is not None and self.num_waiting - self.places.available >= self.max_queued:
             await refuse(scope, receive, send, 429, "the server is at its request limit; retry later",
                          "overloaded", {"Retry-After": str(self.retry_after_s)})
             return
