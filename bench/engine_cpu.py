@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
+from llgtrt_core.engine.torch_engine import TorchEngine  # noqa: E402
+from llgtrt_core.engine.torch_engine_config import TorchEngineConfig  # noqa: E402
 from engine_rate import decode_tokens_per_s  # noqa: E402  (bench/ is the script's folder)
 
 QUESTIONS = (

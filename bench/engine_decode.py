@@ -35,7 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
+from llgtrt_core.engine.torch_engine import TorchEngine  # noqa: E402
+from llgtrt_core.engine.torch_engine_config import TorchEngineConfig  # noqa: E402
 from engine_rate import decode_tokens_per_s  # noqa: E402  (bench/ is the script's folder)
 from measure import copy_bandwidth  # noqa: E402
 from llama3 import LLAMA3_8B, tokenizer_json  # noqa: E402

@@ -63,7 +63,7 @@ from measure import machine, percentile  # noqa: E402
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor  # noqa: E402
 from llgtrt_core.constraints.request_grammar import dumps_compact, json_schema_grammar  # noqa: E402
 from llgtrt_core.engine.interface import ConstrainedRow  # noqa: E402
-from llgtrt_core.engine.torch_engine import usable_cores  # noqa: E402
+from llgtrt_core.engine.torch_engine_config import usable_cores  # noqa: E402
 
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "maskbench"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

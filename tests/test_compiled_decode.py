@@ -19,7 +19,8 @@ import torch
 from llgtrt_core.engine.compiled_decode import CompiledDecode
 from llgtrt_core.engine.interface import GenerationRequest, SamplingParams
 from llgtrt_core.engine.kv_cache import KVCache
-from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig
+from llgtrt_core.engine.torch_engine import TorchEngine
+from llgtrt_core.engine.torch_engine_config import TorchEngineConfig
 from llgtrt_core.kernels import cpu_quant
 from llgtrt_core.layers.quantized_linear import VNNI_MAX_ROWS, Int4Linear
 from llgtrt_core.models.llama import torch_threads

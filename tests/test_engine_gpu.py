@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from llgtrt_core.engine.decode_graphs import PROMPT_ROWS, batch_buckets
 from llgtrt_core.engine.interface import GenerationRequest, SamplingParams
-from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig
+from llgtrt_core.engine.torch_engine import TorchEngine
+from llgtrt_core.engine.torch_engine_config import TorchEngineConfig
 from llgtrt_core.models.llama import ModelConfig
 from llgtrt_core.models.loader import random_model
 

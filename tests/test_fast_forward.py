@@ -22,7 +22,8 @@ from llgtrt_core.constraints.postprocessor import MaskPostProcessor
 from llgtrt_core.constraints.request_grammar import json_schema_grammar
 from llgtrt_core.engine.interface import GenerationRequest, SamplingParams, TokenLogprob
 from llgtrt_core.engine.kv_cache import KVCache
-from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig
+from llgtrt_core.engine.torch_engine import TorchEngine
+from llgtrt_core.engine.torch_engine_config import TorchEngineConfig
 from llgtrt_core.models.llama import Segment
 from llgtrt_core.models.loader import load_model
 from llgtrt_core.tokenizer import Tokenizer

@@ -14,7 +14,8 @@ import torch
 
 from llgtrt_core.engine.interface import GenerationRequest, SamplingParams
 from llgtrt_core.engine.kv_cache import KVCache
-from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig
+from llgtrt_core.engine.torch_engine import TorchEngine
+from llgtrt_core.engine.torch_engine_config import TorchEngineConfig
 from llgtrt_core.layers.quantized_linear import Int4Linear, Int8Linear
 from llgtrt_core.models.llama import LayersDecode, LlamaForCausalLM
 from llgtrt_core.models.loader import load_model

@@ -19,7 +19,8 @@ from llgtrt_core.constraints import GrammarCompiler
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor
 from llgtrt_core.constraints.request_grammar import json_schema_grammar
 from llgtrt_core.engine.interface import GenerationRequest, SamplingParams
-from llgtrt_core.engine.torch_engine import TorchEngine, TorchEngineConfig
+from llgtrt_core.engine.torch_engine import TorchEngine
+from llgtrt_core.engine.torch_engine_config import TorchEngineConfig
 from llgtrt_core.tokenizer import Tokenizer
 
 from test_fast_forward import SCHEMA, chat_prompt, greedy, ll_tokenizer, tokenizer  # noqa: F401 (fixtures)

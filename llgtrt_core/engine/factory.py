@@ -52,7 +52,7 @@ def create_engine(
     if kind == "pytorch":
         from llgtrt_core.engine.core_client import EngineCoreClient, api_worker_index, engine_socket_path
         from llgtrt_core.engine.core_protocol import CoreSpec
-        from llgtrt_core.engine.torch_engine import TorchEngineConfig
+        from llgtrt_core.engine.torch_engine_config import TorchEngineConfig
 
         engine_config = TorchEngineConfig(max_batch_size=runtime.max_batch_size, max_model_len=runtime.max_model_len,
                                           device=runtime.device, dtype=runtime.dtype, weights=runtime.weights,
