@@ -129,6 +129,8 @@ grammar_compile_time = Histogram("llgtrt:grammar_compile_seconds", "Compiling on
                                  buckets=_COMPILE_BUCKETS)
 requests_rejected = Counter("llgtrt:requests_rejected", "HTTP requests refused before reaching the engine.",
                             ["reason"])
+engine_restarts = Counter("llgtrt:engine_process_restarts", "Embedded engine processes started again after one "
+                          "died (its requests ended with an error).")
 
 
 def record_engine_state(running: int, waiting: int, kv_usage: float, cached_blocks: int) -> None:

@@ -1,6 +1,6 @@
 """The embedded engine in its own process, seen from outside: one engine process per server, and
 what the server does when that process dies (streams end with an error event, readiness and new
-requests answer 503, nothing hangs)."""
+requests answer 503, nothing hangs; then the owner API worker starts another and serves again)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.bento_server import BentoServer, bentoml_serve
 
@@ -34,6 +36,12 @@ def engine_processes(server: BentoServer) -> list[psutil.Process]:
 def chat(max_tokens: int) -> dict:
     return {"messages": [{"role": "user", "content": "Write a very long story."}], "max_tokens": max_tokens,
             "ignore_eos": True, "temperature": 0}
+
+
+def restarts(server: BentoServer) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "llgtrt:engine_process_restarts_total")
 
 
 def test_a_dead_engine_process_ends_streams_with_an_error_and_the_server_says_so(doomed: BentoServer) -> None:
@@ -64,3 +72,14 @@ def test_a_dead_engine_process_ends_streams_with_an_error_and_the_server_says_so
     assert httpx.get(f"{doomed.url}/readyz", timeout=10).status_code == 503
     refused = httpx.post(url, json=chat(4), timeout=30)
     assert refused.status_code == 503 and "engine process exited" in refused.json()["error"]["message"]
+
+    # The owner starts another engine process (after a pause of 1 s): ready again, serving.
+    deadline = time.monotonic() + 180
+    while httpx.get(f"{doomed.url}/readyz", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "no engine process again:\n" + doomed.log_tail()
+        time.sleep(0.5)
+    served = httpx.post(url, json=chat(4), timeout=60)
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 4, served.text
+    again = engine_processes(doomed)
+    assert len(again) == 1 and again[0].pid != engines[0].pid
+    assert restarts(doomed) == 1

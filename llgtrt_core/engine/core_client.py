@@ -9,8 +9,9 @@ compiles too, to name a failing tool, and a first sight starts both compiles at 
 thread takes each step's message off the socket and hands it to the event loop in one wake-up.
 
 One API worker (the owner) starts the engine process; with several (`server.api_workers`), the
-others join it through its Unix socket, and after losing it they keep trying to join the one a
-restarted owner starts.
+others join it through its Unix socket. When the engine process dies, its requests end with an
+error, new ones get 503, and the owner starts another (after a pause that grows while processes die
+young); the others keep trying to join it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
+from llgtrt_core import metrics
 from llgtrt_core.constraints.errors import GrammarRequestError
 from llgtrt_core.engine.core_protocol import CoreSpec, DeltaRow, row_delta
 from llgtrt_core.engine.interface import (Engine, EngineError, EngineUnavailable, GenerationRequest, TokenDelta,
@@ -39,6 +41,11 @@ logger = logging.getLogger(__name__)
 
 _STOP_TIMEOUT_S = 60
 _JOIN_RETRY_S = 0.5
+_EXIT_WAIT_S = 10  # a dead engine process's socket closes as it exits: past this, it is killed
+# The pause before starting another engine process after the n-th death in a row; a process that
+# served _STABLE_S or more resets the count (a crash loop must not hold the device busy loading).
+_RESTART_DELAYS_S = (1, 2, 4, 8, 16, 32, 60)
+_STABLE_S = 60
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder that holds llgtrt_core
 
 
@@ -72,6 +79,8 @@ class EngineCoreClient(Engine):
         self._tokens = itertools.count()
         self._lost: Optional[str] = None  # why the engine process is gone
         self._closing = False  # shutdown asked for: its end is no loss
+        self._ready_at = 0.0  # when the engine process in use said ready
+        self._deaths_in_a_row = 0  # engine processes that died young, one after the other (owner)
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -81,20 +90,31 @@ class EngineCoreClient(Engine):
             self._conn, ready = await asyncio.to_thread(self._join)
             self._ready(ready)
             return
+        _, self._conn, ready = await asyncio.to_thread(self._spawn)
+        self._ready(ready)
+
+    def _spawn(self) -> tuple[subprocess.Popen, Connection, tuple]:
+        """Start an engine process and wait for its first message: "ready", or why it failed."""
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))}
-        self._process = subprocess.Popen([sys.executable, "-m", "llgtrt_core.engine.core_process", str(theirs.fileno())],
-                                         pass_fds=(theirs.fileno(),), env=env)
+        process = subprocess.Popen([sys.executable, "-m", "llgtrt_core.engine.core_process", str(theirs.fileno())],
+                                   pass_fds=(theirs.fileno(),), env=env)
+        self._process = process  # shutdown waits for it, also while it loads
         theirs.close()
-        self._conn = Connection(ours.detach())
-        self._conn.send(self.spec)
-        self._ready(await asyncio.to_thread(self._first_message))
-        logger.info("engine process %d ready", self._process.pid)
+        conn = Connection(ours.detach())
+        conn.send(self.spec)
+        while not conn.poll(1.0):
+            if process.poll() is not None:
+                return process, conn, ("failed", f"exit code {process.returncode}")
+        return process, conn, conn.recv()
 
     def _ready(self, ready: tuple) -> None:
         if ready[0] != "ready":
             raise EngineError(f"the engine process failed to start: {ready[1]}")
         _, self.vocab_size, self.max_model_len = ready
+        self._ready_at = time.monotonic()
+        if self._process is not None:
+            logger.info("engine process %d ready", self._process.pid)
         threading.Thread(target=self._read, name="engine-core-reader", daemon=True).start()
 
     def _join(self) -> tuple[Connection, tuple]:
@@ -106,12 +126,6 @@ class EngineCoreClient(Engine):
             except (OSError, EOFError):
                 time.sleep(_JOIN_RETRY_S)
         raise EngineUnavailable("shutting down")
-
-    def _first_message(self) -> tuple:
-        while not self._conn.poll(1.0):
-            if self._process.poll() is not None:
-                return ("failed", f"exit code {self._process.returncode}")
-        return self._conn.recv()
 
     async def shutdown(self) -> None:
         self._closing = True
@@ -213,13 +227,35 @@ class EngineCoreClient(Engine):
                     self._conn.close()
                     return
                 if self.owner:
-                    code = self._process.poll() if self._process is not None else None
+                    code = _reap(self._process)
                     self._loop.call_soon_threadsafe(self._engine_lost, f"the engine process exited (code {code})")
+                    self._restart()
                 else:
                     self._loop.call_soon_threadsafe(self._engine_lost, "the engine process exited")
                     self._rejoin()
                 return
             self._loop.call_soon_threadsafe(self._on_message, message)
+
+    def _restart(self) -> None:
+        """The owner's reader thread, its engine process gone: start another, after a pause that grows
+        while they die young, until one is ready or the server shuts down."""
+        young = time.monotonic() - self._ready_at < _STABLE_S
+        self._deaths_in_a_row = self._deaths_in_a_row + 1 if young else 1
+        while not self._closing:
+            delay = _RESTART_DELAYS_S[min(self._deaths_in_a_row, len(_RESTART_DELAYS_S)) - 1]
+            logger.warning("starting another engine process in %d s", delay)
+            time.sleep(delay)
+            if self._closing:
+                return
+            metrics.engine_restarts.inc()
+            process, conn, ready = self._spawn()
+            if ready[0] == "ready":
+                self._loop.call_soon_threadsafe(self._engine_back, conn, ready)
+                return
+            logger.error("the engine process failed to start again: %s", ready[1])
+            conn.close()
+            _reap(process)
+            self._deaths_in_a_row += 1
 
     def _rejoin(self) -> None:
         """A joining worker whose engine process went away: join the next one (a restarted owner's)."""
@@ -231,10 +267,10 @@ class EngineCoreClient(Engine):
         self._loop.call_soon_threadsafe(self._engine_back, conn, ready)
 
     def _engine_back(self, conn: Connection, ready: tuple) -> None:
-        if self._closing:
+        if self._closing:  # an owner's new engine process ends at the end of file, as after a stop
             conn.close()
             return
-        logger.info("joined the restarted engine process")
+        logger.info("%s the engine process again", "started" if self.owner else "joined")
         self._conn = conn
         self._lost = None
         self._ready(ready)
@@ -268,8 +304,6 @@ class EngineCoreClient(Engine):
             return
         logger.error("%s; failing its %d requests", why, len(self._streams))
         self._lost = why
-        if self._process is not None:
-            _forget_metrics(self._process.pid)
         for stream in self._streams.values():
             stream.deltas.put_nowait(TokenDelta(finish_reason="error", error=why))
         for waiter in self._stats.values():
@@ -287,6 +321,17 @@ def api_worker_index() -> int:
 def engine_socket_path() -> str:
     """The engine process's Unix socket, the same for every API worker of one `bentoml serve`."""
     return server_file_path("engine", ".sock")
+
+
+def _reap(process: subprocess.Popen) -> int:
+    """A dead engine process's exit code, once it is gone (killed if it lingers)."""
+    try:
+        code = process.wait(_EXIT_WAIT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        code = process.wait()
+    _forget_metrics(process.pid)
+    return code
 
 
 def _forget_metrics(pid: int) -> None:
