@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15's measurements on the device machine, in stages that each fit one call (10 minutes);
-# a server started by one call serves the next while the machine stays warm.
+# the first stage that needs the server starts it (or finds an earlier call's, while the machine
+# stays warm), so `bash bench/gpu_run.sh tests` alone starts none.
 #   bash bench/gpu_run.sh tbt http engine tests
 #   tbt     constrained_tbt: batch 1, 8, 64, 128, 256 x 3 rounds, then batch 256 x 6 rounds, each with a
 #           random seed over the whole MaskBench pool (.serve_whl/maskbench_pool.jsonl.gz)
@@ -17,7 +18,8 @@
 #           size in $MASK_THREADS_LIST (default "default 8 4"; "default": llguidance's), each with a step log
 # Everything lands in $OUT (the server's log as server.log).
 set -u
-if [ "${1:-}" != apart ]; then source bench/gpu_serve.sh || exit 1; fi  # apart starts its own servers
+source bench/gpu_serve.sh --no-server || exit 1
+serve() { source bench/gpu_serve.sh || exit 1; }  # the server this call's stages share (an earlier call's, if up)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 D=.serve_whl/maskbench_pool.jsonl.gz
 random_seed() { python3 -c 'import random; print(random.randrange(2**31))'; }  # one draw for runs to compare
@@ -33,17 +35,20 @@ for stage in "$@"; do
     echo "== $stage $(date -u +%H:%M:%S)"
     case $stage in
     tbt)
+        serve
         python3 bench/constrained_tbt.py --url $SERVER --batch 1,8,64,128,256 --rounds 3 --max-tokens 64 \
             --data $D --json $OUT/constrained_tbt_sweep.json
         python3 bench/constrained_tbt.py --url $SERVER --batch 256 --rounds 6 --max-tokens 64 \
             --data $D --json $OUT/constrained_tbt_256.json ;;
     http)
+        serve
         python3 bench/http_load.py --url $SERVER --clients 256 --seconds 30 --max-tokens 256 \
             --json $OUT/http_load.json ;;
     engine)
         stop_server
         python3 bench/engine_decode.py --batches 1 256 --hf-batches --out $OUT ;;
     control)
+        serve
         SEED=$(random_seed)
         for RUN in aa ab; do
             python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 6 --max-tokens 64 --seed $SEED \

@@ -3,12 +3,13 @@
 # wheels (.serve_whl/, ignored by git: bench/serve_wheels.sh builds it here), stores the random-weight
 # Llama-3-8B model (bench/random_checkpoint.py) and starts `bentoml serve .` on it at 127.0.0.1:3000
 # (log: /tmp/server.log; bench/gpu_run.sh copies it to $OUT), unless a server left by an earlier call
-# on the same warm machine still answers there.
+# on the same warm machine still answers there; `source bench/gpu_serve.sh --no-server` starts none.
 [ -d /tmp/site/bentoml ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     .serve_whl/*.whl || return 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH BENTOML_HOME=/tmp/llama-home BENTOML_DO_NOT_TRACK=true
 export PYTHONUNBUFFERED=1
 SERVER="http://127.0.0.1:3000"
+[ "${1:-}" = --no-server ] && return 0  # the wheels and the environment only
 if curl -sf "$SERVER/readyz" > /dev/null; then
     SERVER_GROUP=$(cat /tmp/server.pgid)  # `kill -- -$SERVER_GROUP` stops it
     echo "server still up since an earlier call (process group $SERVER_GROUP)"
