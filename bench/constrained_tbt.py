@@ -25,7 +25,10 @@ measurement's own noise (the waves' prompts are admitted over the first steps, a
 request's tokens fall against those busy steps moves its time per token).
 Each round's own time-per-token ratio is printed too (the spread), and the JSON keeps each wave's
 engine phases (/v1/engine/stats) and its window, which bench/wave_steps.py matches to the steps of
-a server started with LLGTRT_STEP_LOG.
+a server started with LLGTRT_STEP_LOG, and the host's CPU over the wave in cores' worth (`cpu`: all
+cores busy, and by role: the engine process, the API workers, this benchmark's clients, other;
+the batch's line prints the waves' median of cores busy), to tell a host out of cores from a slow
+engine.
 
     python bench/constrained_tbt.py --batch 1,8 --max-tokens 32                       # CPU
     python bench/constrained_tbt.py --bentoml-home /tmp/llama-home --model llama3-8b-random \
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import random
 import sys
 import time
@@ -47,7 +51,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from measure import percentile  # noqa: E402
+from measure import cpu_used, host_cpu, percentile  # noqa: E402
 from http_load import (  # noqa: E402
     ClientProcesses,
     Histogram,
@@ -233,10 +237,10 @@ async def measure_batch(client: httpx.AsyncClient, pool: ClientProcesses, url: s
         for is_constrained in (True, False):  # the constrained answers first: the plain twins match their lengths
             bodies = first if is_constrained else [
                 plain_twin(model, s, max_tokens, answer) for s, answer in zip(picked, waves[True][-1])]
-            before, started = await engine_stats(client, url), time.perf_counter()
+            before, cpu_before, started = await engine_stats(client, url), host_cpu(), time.perf_counter()
             waves[is_constrained].append((await pool.run(url, bodies))[0])
             # perf_counter is the machine's monotonic clock: the window finds the wave in a step log.
-            window = {"started": started, "ended": time.perf_counter()}
+            window = {"started": started, "ended": time.perf_counter(), "cpu": cpu_used(cpu_before, host_cpu())}
             engine[is_constrained].append({**per_step(before, await engine_stats(client, url)), **window})
     mask = (await mask_fill(client, url)).minus(mask_before)
     off, on = (stats([r for wave in waves[kind] for r in wave], waves[kind]) for kind in (False, True))
@@ -246,7 +250,9 @@ async def measure_batch(client: httpx.AsyncClient, pool: ClientProcesses, url: s
             "tbt_ratio": on["tbt_p50"] / off["tbt_p50"], "tpot_ratio": on["tpot_p50"] / off["tpot_p50"],
             "steady_tpc_ratio": on["steady_tpc_p50"] / off["steady_tpc_p50"],
             "ttft_overhead_p50": on["ttft_p50"] - off["ttft_p50"],
-            "mask_fill_mean": mask.mean(), "mask_fill_steps": mask.count}
+            "mask_fill_mean": mask.mean(), "mask_fill_steps": mask.count,
+            "cores_busy_p50": {("constrained" if kind else "unconstrained"): percentile(
+                [wave["cpu"]["cores_busy"] for wave in engine[kind]], 50) for kind in (False, True)}}
 
 
 def plot_tbt(rows: list[dict[str, Any]], path: Path) -> None:
@@ -321,7 +327,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                           f"{time.perf_counter() - started:.1f} s, TBT ratio {r['tbt_ratio']:.3f}, "
                           f"time per output token ratio {r['tpot_ratio']:.3f} (steady {r['steady_tpc_ratio']:.3f}), "
                           f"TTFT overhead p50 {r['ttft_overhead_p50'] * 1e3:+.1f} ms; time per output token ratio "
-                          f"by round: {by_round}", flush=True)
+                          f"by round: {by_round}; cores busy p50 plain / constrained "
+                          f"{r['cores_busy_p50']['unconstrained']:.1f} / {r['cores_busy_p50']['constrained']:.1f} "
+                          f"of {os.cpu_count()}", flush=True)
             finally:
                 pool.close()
     print_table(rows)

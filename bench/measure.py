@@ -1,10 +1,13 @@
-"""What the benchmarks share: the GPU's copy bandwidth, one percentile rule, the machine line."""
+"""What the benchmarks share: the GPU's copy bandwidth, one percentile rule, the machine line, where
+a window's CPU time went on the host."""
 
 from __future__ import annotations
 
 import os
 import platform
+import time
 
+import psutil
 import torch
 
 
@@ -38,3 +41,40 @@ def machine() -> str:
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     return (f"{platform.node()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
             f"Python {platform.python_version()}, load average {load}")
+
+
+# The server's processes by a word of their command line; the rest are this benchmark's own (it and
+# the processes it started) or other.
+_SERVER_ROLES = (("engine", "llgtrt_core.engine.core_process"), ("api", "_bentoml_impl"), ("api", "bentoml serve"))
+
+
+def _role(process: psutil.Process, me: int) -> str:
+    command = " ".join(process.info["cmdline"] or ())
+    role = next((role for role, word in _SERVER_ROLES if word in command), None)
+    if role is not None:
+        return role
+    return "client" if me in (process.pid, process.info["ppid"]) else "other"
+
+
+def host_cpu() -> dict[str, object]:
+    """A snapshot for `cpu_used`: the host's busy CPU seconds and every process's, with its role."""
+    times = psutil.cpu_times()
+    me = os.getpid()
+    processes = {}
+    for process in psutil.process_iter(["cmdline", "ppid", "cpu_times"]):
+        cpu = process.info["cpu_times"]
+        if cpu is not None:
+            processes[process.pid] = (_role(process, me), cpu.user + cpu.system)
+    return {"at": time.monotonic(), "busy": sum(times) - times.idle - getattr(times, "iowait", 0.0),
+            "processes": processes}
+
+
+def cpu_used(before: dict[str, object], after: dict[str, object]) -> dict[str, float]:
+    """Cores' worth of CPU between two `host_cpu` snapshots: the whole host's (`cores_busy`, of
+    os.cpu_count()) and by role (engine process, API workers, this benchmark's clients, other): a
+    host out of cores shows there, not in the engine's own phases."""
+    seconds = after["at"] - before["at"]
+    used = {"cores_busy": (after["busy"] - before["busy"]) / seconds}
+    for pid, (role, cpu) in after["processes"].items():
+        used[role] = used.get(role, 0.0) + (cpu - before["processes"].get(pid, (role, 0.0))[1]) / seconds
+    return used
