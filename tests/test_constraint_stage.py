@@ -112,7 +112,7 @@ def test_a_failed_step_leaves_no_fill_begun_ahead_behind() -> None:
 
 
 def slow(seq: Sequence) -> Sequence:
-    seq.request.constraint.mask_cost.slow = True  # as the compiler's probe marks a slow grammar
+    seq.request.constraint.mask_cost.mark_slow()  # as the compiler's probe marks a slow grammar
     return seq
 
 

@@ -50,7 +50,8 @@ def run(stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer, slow: bool, 
         await engine.start()
         try:
             compiled = await compiler.compile(json_schema_grammar(SCHEMA))
-            compiled.mask_cost.slow = slow
+            if slow:
+                compiled.mask_cost.mark_slow()
             specs = [("Name three colors.", False, greedy(tokenizer, max_tokens=30)),
                      ("Describe a person as JSON.", True, greedy(tokenizer, max_tokens=40)),
                      ("Describe a friend as JSON.", True, greedy(tokenizer, max_tokens=40, frequency_penalty=0.5))]

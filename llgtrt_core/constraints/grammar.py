@@ -84,9 +84,14 @@ class MaskCost:
     not probed (yet, or ever) counts as fast."""
 
     __slots__ = ("slow",)
+    # Whether any grammar of this process was marked slow: until one is, a step need not ask each row.
+    any_slow = False
 
     def __init__(self) -> None:
         self.slow = False  # its masks take `llguidance.slow_mask_ms` or more: its rows are filled apart from the batch
+
+    def mark_slow(self) -> None:
+        self.slow = MaskCost.any_slow = True
 
 
 @dataclass(frozen=True)
@@ -305,7 +310,7 @@ class GrammarCompiler:
             return
         mean = statistics.fmean(times)
         if mean >= self.slow_mask_s:
-            compiled.mask_cost.slow = True
+            compiled.mask_cost.mark_slow()
             logger.warning("a grammar's token masks take %.2f ms each (%d probed, the slowest %.2f ms): marked slow, "
                            "its rows are filled apart from the batch's unless they fast-forward (CPU); the grammar "
                            "begins %r",

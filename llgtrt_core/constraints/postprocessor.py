@@ -31,7 +31,7 @@ from llguidance import LLExecutor, LLTokenizer
 from llguidance.torch import allocate_token_bitmask
 
 from llgtrt_core import metrics
-from llgtrt_core.constraints.grammar import GrammarConstraint
+from llgtrt_core.constraints.grammar import GrammarConstraint, MaskCost
 from llgtrt_core.constraints.loop_guard import EscapeMasks, steer_loops
 from llgtrt_core.engine.interface import ConstrainedRow, Constraint
 from llgtrt_core.engine.step_profile import StepPhases
@@ -81,6 +81,9 @@ class MaskPostProcessor:
         self._fill_rows(rows, self._host_masks[offset:], self.executor, self.phases)
         metrics.mask_fill_time.observe(time.perf_counter() - start)
         return self._host_views[offset + count]
+
+    def any_fills_apart(self) -> bool:
+        return MaskCost.any_slow
 
     def fills_apart(self, constraint: Constraint) -> bool:
         """Whether `constraint`'s rows are better filled apart from the batch's: its grammar's masks are slow."""

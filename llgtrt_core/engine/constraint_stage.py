@@ -102,11 +102,12 @@ class ConstraintStage:
         if self._pool is None or any(seq.fast_forward for seq in running):
             return False
         rows, apart = [], []
+        any_apart = self._any_apart()
         for index, seq in enumerate(running):
             constraint = seq.request.constraint
             if constraint is None or id(constraint) in self._apart:  # sitting out: its mask is on the way
                 continue
-            (apart if self._fills_apart(seq) else rows).append(ConstrainedRow(constraint, index, None))
+            (apart if any_apart and self._fills_apart(seq) else rows).append(ConstrainedRow(constraint, index, None))
         if rows:
             self._ahead = (rows, self._pool.submit(self._fill_ahead, rows, read_tokens))
         if apart:
@@ -116,10 +117,13 @@ class ConstraintStage:
     def _fill_ahead(self, rows: list[ConstrainedRow], read_tokens: Callable[[], Seq[int]]) -> torch.Tensor:
         return self.post_processor.fill(_with_tokens(rows, read_tokens()))
 
+    def _any_apart(self) -> bool:
+        """Whether this step may fill any row apart (until a grammar is marked slow, no row is asked)."""
+        return self._apart_pool is not None and self.post_processor.any_fills_apart()
+
     def _fills_apart(self, seq: Sequence) -> bool:
         """A slow grammar's row, unless it fast-forwards (its commits are the engine thread's)."""
-        return self._apart_pool is not None and not seq.fast_forward and self.post_processor.fills_apart(
-            seq.request.constraint)
+        return not seq.fast_forward and self.post_processor.fills_apart(seq.request.constraint)
 
     def _start_apart(self, rows: list[ConstrainedRow], read_tokens: Optional[Callable[[], Seq[int]]]) -> None:
         """One job for these rows, which first reads their sampled tokens (read_tokens None: the
@@ -153,12 +157,13 @@ class ConstraintStage:
             now = index.pop(id(row.constraint), None)
             placed.append(row if now == row.row else None if now is None else ConstrainedRow(row.constraint, now, None))
         rows, apart, new_apart = [], [], []
+        any_apart = self._any_apart()
         for key, i in index.items():
             seq = running[i]
             row = ConstrainedRow(seq.request.constraint, i, seq.uncommitted_token)
             if key in self._apart:  # filled apart, its mask on the way
                 apart.append(row)
-            elif self._fills_apart(seq):
+            elif any_apart and self._fills_apart(seq):
                 new_apart.append(row)
                 seq.uncommitted_token = None  # the job commits it
             else:

@@ -148,6 +148,10 @@ class ApartFiller(Protocol):
     """A post-processor that knows which constraints' masks are slow and can fill those rows apart
     from the step's batch (on another thread), so the batch's fill need not wait for them."""
 
+    def any_fills_apart(self) -> bool:
+        """Whether any row may be filled apart now (asked once a step, before `fills_apart` for each)."""
+        ...
+
     def fills_apart(self, constraint: Constraint) -> bool: ...
 
     def fill_apart(self, rows: Sequence[ConstrainedRow]) -> torch.Tensor:
