@@ -74,8 +74,7 @@ class MaskPostProcessor:
         `offset` are an earlier fill's of the same step, kept). Valid until the next `fill` at
         offset 0."""
         count = len(rows)
-        if self._copy_done is not None or offset + count > self._capacity:
-            self._reserve(offset + count, keep=offset)
+        self._reserve(offset + count, keep=offset)
         start = time.perf_counter()
         self.phases.begin()
         self._fill_rows(rows, self._host_masks[offset:], self.executor, self.phases)
@@ -111,8 +110,7 @@ class MaskPostProcessor:
         none), then the rows of `more` (`fill_apart`'s), in the shared buffer."""
         start = 0 if masks is None else masks.shape[0]
         count = start + sum(part.shape[0] for part in more)
-        if self._copy_done is not None or count > self._capacity:
-            self._reserve(count, keep=start)
+        self._reserve(count, keep=start)
         for part in more:
             self._host_masks[start:start + part.shape[0]] = part
             start += part.shape[0]
