@@ -251,8 +251,9 @@ async def measure_batch(client: httpx.AsyncClient, pool: ClientProcesses, url: s
             "steady_tpc_ratio": on["steady_tpc_p50"] / off["steady_tpc_p50"],
             "ttft_overhead_p50": on["ttft_p50"] - off["ttft_p50"],
             "mask_fill_mean": mask.mean(), "mask_fill_steps": mask.count,
-            "cores_busy_p50": {("constrained" if kind else "unconstrained"): percentile(
-                [wave["cpu"]["cores_busy"] for wave in engine[kind]], 50) for kind in (False, True)}}
+            **{f"{key}_p50": {("constrained" if kind else "unconstrained"): percentile(
+                [wave["cpu"][key] for wave in engine[kind]], 50) for kind in (False, True)}
+               for key in ("cores_busy", "steal")}}
 
 
 def plot_tbt(rows: list[dict[str, Any]], path: Path) -> None:
@@ -329,7 +330,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                           f"TTFT overhead p50 {r['ttft_overhead_p50'] * 1e3:+.1f} ms; time per output token ratio "
                           f"by round: {by_round}; cores busy p50 plain / constrained "
                           f"{r['cores_busy_p50']['unconstrained']:.1f} / {r['cores_busy_p50']['constrained']:.1f} "
-                          f"of {os.cpu_count()}", flush=True)
+                          f"of {os.cpu_count()} (stolen by the hypervisor {r['steal_p50']['unconstrained']:.2f} / "
+                          f"{r['steal_p50']['constrained']:.2f})", flush=True)
             finally:
                 pool.close()
     print_table(rows)

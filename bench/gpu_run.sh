@@ -22,6 +22,7 @@ source bench/gpu_serve.sh --no-server || exit 1
 serve() { source bench/gpu_serve.sh || exit 1; }  # the server this call's stages share (an earlier call's, if up)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 D=.serve_whl/maskbench_pool.jsonl.gz
+stolen_s() { awk '/^cpu /{printf "%.1f", $9 / 100}' /proc/stat; }  # the host's CPU seconds the hypervisor took
 random_seed() { python3 -c 'import random; print(random.randrange(2**31))'; }  # one draw for runs to compare
 stop_server() {  # this call's server or an earlier call's (its KV cache holds most of the GPU's memory)
     local group=${SERVER_GROUP:-$(cat /tmp/server.pgid 2>/dev/null)}
@@ -32,7 +33,7 @@ stop_server() {  # this call's server or an earlier call's (its KV cache holds m
     sleep 2
 }
 for stage in "$@"; do
-    echo "== $stage $(date -u +%H:%M:%S)"
+    echo "== $stage $(date -u +%H:%M:%S), CPU seconds stolen so far $(stolen_s)"
     case $stage in
     tbt)
         serve
@@ -86,4 +87,4 @@ for stage in "$@"; do
     esac
 done
 cp /tmp/server.log $OUT/server.log 2>/dev/null
-echo "== done $(date -u +%H:%M:%S)"
+echo "== done $(date -u +%H:%M:%S), CPU seconds stolen so far $(stolen_s)"

@@ -65,16 +65,19 @@ def host_cpu() -> dict[str, object]:
         cpu = process.info["cpu_times"]
         if cpu is not None:
             processes[process.pid] = (_role(process, me), cpu.user + cpu.system)
-    return {"at": time.monotonic(), "busy": sum(times) - times.idle - getattr(times, "iowait", 0.0),
-            "processes": processes}
+    steal = getattr(times, "steal", 0.0)
+    return {"at": time.monotonic(), "busy": sum(times) - times.idle - getattr(times, "iowait", 0.0) - steal,
+            "steal": steal, "processes": processes}
 
 
 def cpu_used(before: dict[str, object], after: dict[str, object]) -> dict[str, float]:
     """Cores' worth of CPU between two `host_cpu` snapshots: the whole host's (`cores_busy`, of
     os.cpu_count()) and by role (engine process, API workers, this benchmark's clients, other): a
-    host out of cores shows there, not in the engine's own phases."""
+    host out of cores shows there, not in the engine's own phases. `steal`: cores' worth of time a
+    virtual machine's CPUs waited for the hypervisor (a busy neighbour slows every phase alike)."""
     seconds = after["at"] - before["at"]
-    used = {"cores_busy": (after["busy"] - before["busy"]) / seconds}
+    used = {"cores_busy": (after["busy"] - before["busy"]) / seconds,
+            "steal": (after["steal"] - before["steal"]) / seconds}
     for pid, (role, cpu) in after["processes"].items():
         used[role] = used.get(role, 0.0) + (cpu - before["processes"].get(pid, (role, 0.0))[1]) / seconds
     return used
