@@ -186,6 +186,8 @@ class MaskPostProcessor:
         elif rows:
             self._fill_batch(rows, host, executor, phases)
         steer_loops(rows, host, self._escapes)
+        if phases is not None:  # the loop guard, Python once per row: its own phase in the profile
+            phases.mark("steer")
 
     def _fill_one(self, row: ConstrainedRow, host: torch.Tensor) -> None:
         """The batch path's steps inlined: this runs once per token of a lone request."""
