@@ -202,3 +202,30 @@ def test_rows_steered_together_each_get_their_own_escape_class():
     narrowed = escapes.narrow(masks, [0, 1, 2, 3, 4], [False, False, True, False, False])
     assert narrowed == [True, True, False, False, True]
     assert masks[:, 0].tolist() == [mask(7), mask(4), mask(2, 6), mask(0, 5, 1), mask(3)]
+
+
+def test_a_row_whose_only_word_lies_outside_the_sampled_mask_words_is_still_inside_a_string():
+    """`narrow` asks first whether a row allows a word token in the 16 mask words richest in them;
+    a string whose pattern allows only a rarer word is found by reading the rest."""
+    words = 40
+    texts = ["x"] * (32 * words)
+    for word in range(words):  # word tokens in every mask word; word 39 holds the fewest
+        for bit in range(1 if word == 39 else 8):
+            texts[32 * word + bit] = "ab"
+    texts[20:23] = ['"', "}", '"}']
+    rare_word, quote, brace, quote_brace = 32 * 39, 20, 21, 22
+    escapes = EscapeMasks(texts, [], words)
+    assert 39 not in escapes._word_sample.tolist()
+
+    def mask(*tokens: int) -> list[int]:
+        row = [0] * words
+        for t in tokens:
+            row[t // 32] |= 1 << (t % 32)
+        return [v - (1 << 32) if v >= 1 << 31 else v for v in row]
+
+    masks = torch.tensor([mask(rare_word, quote, brace, quote_brace),  # inside a string: its closing quotes
+                          mask(32 * 5, quote, quote_brace),  # a common word: settled by the sample
+                          mask(quote, brace)], dtype=torch.int32)  # outside strings: `}` closes the value
+    narrowed = escapes.narrow(masks, [0, 1, 2], [False, False, False])
+    assert narrowed == [True, True, True]
+    assert masks.tolist() == [mask(quote_brace), mask(quote_brace), mask(brace)]

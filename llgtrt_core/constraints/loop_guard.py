@@ -34,6 +34,7 @@ import torch
 
 from llgtrt_core.engine.interface import ConstrainedRow, LoopGuardSettings
 
+_WORD_SAMPLE = 16  # mask words tried first when asking whether a row is inside a string
 _PUNCTUATION = frozenset('"{}[],:')  # a period holding one of these repeats JSON items or keys
 _VALUE_ENDERS = frozenset('"]},')  # characters of the tokens that end a value
 _CONTAINER_CLOSERS = frozenset("]}")
@@ -161,6 +162,9 @@ class EscapeMasks:
                             for text in token_texts]
         self.most_opened = max(self.depth_delta, default=0)
         self.words = _mask_row([t for t, text in enumerate(token_texts) if _is_word(text)], words)
+        # The mask words holding the most word tokens: a row inside a string allows one of them
+        # unless a pattern narrows its words, so most rows are settled without reading the rest.
+        self._word_sample = np.sort(np.argsort(_popcounts(self.words), kind="stable")[-_WORD_SAMPLE:])
         self.newlines = _mask_row([t for t, text in enumerate(token_texts) if "\n" in text], words)
         string_closers = [t for t in string_enders if _CONTAINER_CLOSERS & set(stripped[t])]
         container_closers = [*(t for t in value_enders if "," not in stripped[t]), *eos_tokens]
@@ -189,10 +193,16 @@ class EscapeMasks:
         team, which stalls at its barrier on cores the mask fill's threads hold."""
         host = masks.numpy()
         rows = list(rows)
-        # A run of rows is a view; the words and newline tests read every word of each mask.
+        # A run of rows is a view. The words test reads a sample of each mask first, the newline
+        # test the masks of rows inside a string only (no other row reads it).
         selected = host[rows[0]:rows[-1] + 1] if rows == list(range(rows[0], rows[-1] + 1)) else host[rows]
-        in_string = _any_common_bit(selected, self.words)  # or free text
-        free_text = _any_common_bit(selected, self.newlines)
+        in_string = _any_common_bit(selected, self.words, self._word_sample)  # or free text
+        free_text = [False] * len(rows)
+        inside = [i for i, string in enumerate(in_string) if string]
+        if inside:
+            for i, free in zip(inside, _any_common_bit(selected if len(inside) == len(rows) else selected[inside],
+                                                       self.newlines)):
+                free_text[i] = free
         orders = [self._classes_to_try(string, free, loop_over_items)
                   for string, free, loop_over_items in zip(in_string, free_text, structural)]
         narrowed = [False] * len(rows)
@@ -250,9 +260,23 @@ def steer_loops(rows: Sequence[ConstrainedRow], masks: torch.Tensor, escapes: Es
         guard.steered(done, structural)
 
 
-def _any_common_bit(rows: np.ndarray, mask: np.ndarray) -> list[bool]:
-    """Per row of `rows`, whether it shares a bit with `mask`."""
-    return np.bitwise_and(rows, mask).any(1).tolist()
+def _any_common_bit(rows: np.ndarray, mask: np.ndarray, sample: Optional[np.ndarray] = None) -> list[bool]:
+    """Per row of `rows`, whether it shares a bit with `mask`; with `sample` (some of the mask's
+    words), first on those words alone, then in full only for the rows they did not settle."""
+    if sample is None:
+        return np.bitwise_and(rows, mask).any(1).tolist()
+    common = np.bitwise_and(rows[:, sample], mask[sample]).any(1)
+    unsettled = np.flatnonzero(~common)
+    if unsettled.size == len(common):  # none settled: no copy of the rows
+        return _any_common_bit(rows, mask)
+    if unsettled.size:
+        common[unsettled] = np.bitwise_and(rows[unsettled], mask).any(1)
+    return common.tolist()
+
+
+def _popcounts(row: np.ndarray) -> np.ndarray:
+    """Bits set in each word of a mask row."""
+    return np.unpackbits(row.view(np.uint8)).reshape(len(row), 32).sum(1)
 
 
 def _made_of(text: str, chars: frozenset) -> bool:
