@@ -164,6 +164,31 @@ def test_the_length_limit_margin_is_at_most_a_tenth_of_max_tokens_plus_the_open_
     assert guard.near_limit(escapes) and guard.closing
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("tokens", ["each opens the most brackets", "mixed, several at a time"])
+def test_the_length_limit_check_skipped_while_there_is_room_answers_as_a_full_check(seed, tokens):
+    """`near_limit` skips its count while the room left could not be used up yet: step by step it
+    answers as a twin that checks in full on every call. Tokens that each open the most brackets
+    a token can make the skip's bound exact (a step too many would be seen); mixed ones, several
+    at a time (forced tokens) and not asked every step, cover the rest."""
+    import random
+    rng = random.Random(seed)
+    escapes = EscapeMasks(["x", "{", "}", "[[", "]]", "{[", "x}"], [0], 1)
+    settings = LoopGuardSettings(closing_margin=rng.randrange(1, 30), max_tokens=rng.randrange(10, 400))
+    tight = tokens.startswith("each")
+    skipping, full = LoopGuard(settings), LoopGuard(settings)
+    answers = []
+    while len(full.tokens) < settings.max_tokens:
+        step = [3] if tight else [rng.choice([0, 0, 0, 1, 2, 3, 4, 5, 6]) for _ in range(rng.choice([1, 1, 1, 3]))]
+        skipping.observe_all(step)
+        full.observe_all(step)
+        if tight or rng.random() < 0.8:
+            full._check_at = 0  # the twin counts every time
+            answers.append(skipping.near_limit(escapes))
+            assert answers[-1] == full.near_limit(escapes), len(full.tokens)
+    assert answers[-1] and not answers[0]
+
+
 def test_free_text_before_the_answer_is_never_steered(parts, hf_tokenizer):
     """A reasoning section's thinking is free text (words and raw newlines, unlike a JSON string):
     near the length limit and looping, its masks stay the grammar's own."""

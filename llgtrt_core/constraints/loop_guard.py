@@ -27,6 +27,7 @@ that point is never touched: its masks are the grammar's own.
 
 from __future__ import annotations
 
+import sys
 from typing import Optional, Sequence
 
 import numpy as np
@@ -44,7 +45,7 @@ class LoopGuard:
     """One sequence's rolling loop check. Plain state (picklable); `observe` is O(1) amortized."""
 
     __slots__ = ("settings", "tokens", "_last_seen", "_period", "_run", "escaping", "_structural", "_depth",
-                 "_floor", "_seen", "closing", "_open", "_counted")
+                 "_floor", "_seen", "closing", "_open", "_counted", "_check_at")
 
     def __init__(self, settings: LoopGuardSettings = LoopGuardSettings()) -> None:
         self.settings = settings
@@ -60,6 +61,7 @@ class LoopGuard:
         self._depth = self._floor = self._seen = 0
         self.closing = False  # the length limit is near: every step steers to the nearest ending
         self._open, self._counted = 0, 0  # brackets open over all tokens, from the first `_counted`
+        self._check_at = 0  # `near_limit` is False for fewer tokens than this (known without counting)
 
     def observe(self, token: int) -> None:
         position = len(self.tokens)
@@ -87,13 +89,20 @@ class LoopGuard:
         once the tokens not counted yet could have opened enough of them to matter."""
         if self.closing:
             return True
+        if len(self.tokens) < self._check_at:
+            return False
         limit = self.settings.max_tokens
         if limit is None:
+            self._check_at = sys.maxsize
             return False
         # A short answer keeps most of its room: the margin is at most a tenth of it.
         margin = min(self.settings.closing_margin, limit // 10)
         left, uncounted = limit - len(self.tokens), len(self.tokens) - self._counted
-        if left > margin + max(self._open, 0) + escapes.most_opened * uncounted:
+        room = left - margin - max(self._open, 0) - escapes.most_opened * uncounted
+        if room > 0:
+            # Each token takes one from `left` and may open `most_opened` brackets: the room lasts
+            # for the next ceil(room / (1 + most_opened)) - 1 tokens at least.
+            self._check_at = len(self.tokens) + -(-room // (1 + escapes.most_opened))
             return False
         self._open += sum(escapes.depth_delta[t] for t in self.tokens[self._counted:])
         self._counted = len(self.tokens)
@@ -160,7 +169,7 @@ class EscapeMasks:
         # Brackets opened minus closed by each token (inside strings too: close enough for a loop).
         self.depth_delta = [text.count("{") + text.count("[") - text.count("}") - text.count("]")
                             for text in token_texts]
-        self.most_opened = max(self.depth_delta, default=0)
+        self.most_opened = max(0, *self.depth_delta)  # brackets one token may open, at most
         self.words = _mask_row([t for t, text in enumerate(token_texts) if _is_word(text)], words)
         # The mask words holding the most word tokens: a row inside a string allows one of them
         # unless a pattern narrows its words, so most rows are settled without reading the rest.
