@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from measure import machine  # noqa: E402  (bench/ is the script's folder)
 
-from llgtrt_core.constraints.loop_guard import EscapeMasks, LoopGuard, LoopGuardSettings, steer_loops  # noqa: E402
+from llgtrt_core.constraints.loop_guard import (  # noqa: E402
+    EscapeMasks, LoopGuard, LoopGuardSettings, _mask_row, steer_loops, token_texts)
 from llgtrt_core.engine.interface import ConstrainedRow  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's
@@ -65,9 +66,8 @@ def steering_step(texts: list[str], rows: int, repeats: int, allowed: Optional[l
         constraints = [Row(guard) for guard in guards]
         for guard in guards:
             guard.observe_all(range(100, 110))
-        masks = torch.full((rows, words), -1 if allowed is None else 0, dtype=torch.int32)
-        for token in allowed or []:
-            masks[:, token // 32] |= torch.tensor(1 << (token % 32), dtype=torch.int64).to(torch.int32)
+        masks = (torch.full((rows, words), -1, dtype=torch.int32) if allowed is None
+                 else torch.from_numpy(_mask_row(allowed, words)).repeat(rows, 1))
         start = time.perf_counter()
         steer_loops([ConstrainedRow(c, j, 111) for j, c in enumerate(constraints)], masks, escapes)
         times.append((time.perf_counter() - start) / rows)
@@ -75,13 +75,12 @@ def steering_step(texts: list[str], rows: int, repeats: int, allowed: Optional[l
     return times
 
 
-def token_texts(tokenizer_json: Path) -> list[str]:
+def texts_of(tokenizer_json: Path) -> list[str]:
     """Each token's text, as the server's EscapeMasks.for_tokenizer reads them."""
     from llguidance.hf import from_tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    ll_tokenizer = from_tokenizer(PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json)))
-    return [ll_tokenizer.decode_bytes([t]).decode("utf-8", errors="replace") for t in range(ll_tokenizer.vocab_size)]
+    return token_texts(from_tokenizer(PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json))))
 
 
 def spread(times: list[float]) -> str:
@@ -104,7 +103,7 @@ def main() -> None:
     texts[20:30] = ['"', '"]', '"}', "]", "}", "]}", ",", "the", " word", "1"]
     print(f"a steering step (rows near their length limit, in one batch): {spread(steering_step(texts, args.rows, 50))}")
     if args.tokenizer is not None:
-        texts = token_texts(args.tokenizer)
+        texts = texts_of(args.tokenizer)
         structural = [t for t, text in enumerate(texts) if text.strip() in ('"', '",', '"}', "}", "]", ",")]
         print(f"{args.tokenizer} ({len(texts)} tokens), rows inside strings: {spread(steering_step(texts, args.rows, 50))}")
         print(f"{args.tokenizer}, rows outside strings ({len(structural)} structural tokens allowed): "

@@ -169,7 +169,7 @@ class EscapeMasks:
         # Brackets opened minus closed by each token (inside strings too: close enough for a loop).
         self.depth_delta = [text.count("{") + text.count("[") - text.count("}") - text.count("]")
                             for text in token_texts]
-        self.most_opened = max(0, *self.depth_delta)  # brackets one token may open, at most
+        self.most_opened = max(max(self.depth_delta, default=0), 0)  # brackets one token may open, at most
         self.words = _mask_row([t for t, text in enumerate(token_texts) if _is_word(text)], words)
         # The mask words holding the most word tokens: a row inside a string allows one of them
         # unless a pattern narrows its words, so most rows are settled without reading the rest.
@@ -187,9 +187,7 @@ class EscapeMasks:
 
     @classmethod
     def for_tokenizer(cls, ll_tokenizer, words: int) -> "EscapeMasks":
-        texts = [ll_tokenizer.decode_bytes([t]).decode("utf-8", errors="replace")
-                 for t in range(ll_tokenizer.vocab_size)]
-        return cls(texts, ll_tokenizer.eos_tokens, words)
+        return cls(token_texts(ll_tokenizer), ll_tokenizer.eos_tokens, words)
 
     def is_structural(self, tokens: Sequence[int]) -> bool:
         return any(_PUNCTUATION & set(self._texts[t]) for t in tokens if t < len(self._texts))
@@ -245,6 +243,11 @@ class EscapeMasks:
         if in_string:
             return () if free_text else self._string_order
         return self._container_order if loop_over_items else self._value_loop_order
+
+
+def token_texts(ll_tokenizer) -> list[str]:
+    """Each token's text (bytes that are no whole UTF-8 text read as replacement characters)."""
+    return [ll_tokenizer.decode_bytes([t]).decode("utf-8", errors="replace") for t in range(ll_tokenizer.vocab_size)]
 
 
 def steer_loops(rows: Sequence[ConstrainedRow], masks: torch.Tensor, escapes: EscapeMasks) -> None:
