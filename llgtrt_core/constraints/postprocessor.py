@@ -139,13 +139,12 @@ class MaskPostProcessor:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The masks `fill` returned and their logits row indices, on `device`: on CUDA copied
         asynchronously (`DeviceCopies`), for work queued on `stream` (the compute stream) before the
-        next upload; on CPU the host masks themselves, valid until the next `fill`."""
-        row_ids = torch.tensor([row.row for row in rows], dtype=torch.int64)
-        if device.type != "cuda":
-            return masks, row_ids
+        next upload; on CPU the host buffers themselves, valid until the next `fill` and `upload`."""
         count = len(rows)
         indices = self._host_rows[:count]
-        indices.copy_(row_ids)
+        indices.numpy()[:] = [row.row for row in rows]  # straight into the (pinned) buffer: no tensor built
+        if device.type != "cuda":
+            return masks, indices
         stream = stream or torch.cuda.current_stream(device)
         if self._device is None or self._device.device != device or self._device.capacity < count:
             if self._device is not None:

@@ -99,15 +99,18 @@ class ConstraintStage:
         sampled token, waiting for the draw) and commits them, and the rows filled apart in a job of
         their own; whether it started. Not when a row fast-forwards: its commits happen on the engine
         thread as its tokens are handed out. A row sitting out keeps the mask on its way."""
-        if self._pool is None or any(seq.fast_forward for seq in running):
+        # Lists, not generators: at batch 256 this runs on the engine thread every step.
+        if self._pool is None or any([seq.fast_forward for seq in running]):
             return False
-        rows, apart = [], []
-        any_apart = self._any_apart()
-        for index, seq in enumerate(running):
-            constraint = seq.request.constraint
-            if constraint is None or id(constraint) in self._apart:  # sitting out: its mask is on the way
-                continue
-            (apart if any_apart and self._fills_apart(seq) else rows).append(ConstrainedRow(constraint, index, None))
+        rows = [ConstrainedRow(seq.request.constraint, index, None) for index, seq in enumerate(running)
+                if seq.request.constraint is not None]
+        if self._apart:  # sitting out: its mask is on the way
+            rows = [row for row in rows if id(row.constraint) not in self._apart]
+        apart = []
+        if self._any_apart():
+            slow = {row.row for row in rows if self._fills_apart(running[row.row])}
+            apart = [row for row in rows if row.row in slow]
+            rows = [row for row in rows if row.row not in slow]
         if rows:
             self._ahead = (rows, self._pool.submit(self._fill_ahead, rows, read_tokens))
         if apart:
@@ -151,23 +154,34 @@ class ConstraintStage:
         if self._ahead is not None:
             (ahead_rows, future), self._ahead = self._ahead, None
             futures.append(future)
-        index = {id(seq.request.constraint): i for i, seq in enumerate(running) if seq.request.constraint is not None}
+        constraints = [seq.request.constraint for seq in running]
         placed: list[Optional[ConstrainedRow]] = []
+        index: Optional[dict[int, int]] = None  # constraint -> its row now, once a row is found moved
         for row in ahead_rows:  # mostly still where they were: the same row (its new_token is None)
-            now = index.pop(id(row.constraint), None)
-            placed.append(row if now == row.row else None if now is None else ConstrainedRow(row.constraint, now, None))
+            if row.row < len(constraints) and constraints[row.row] is row.constraint:
+                placed.append(row)
+                continue
+            if index is None:
+                index = {id(c): i for i, c in enumerate(constraints) if c is not None}
+            now = index.get(id(row.constraint))
+            placed.append(None if now is None else ConstrainedRow(row.constraint, now, None))
         rows, apart, new_apart = [], [], []
-        any_apart = self._any_apart()
-        for key, i in index.items():
-            seq = running[i]
-            row = ConstrainedRow(seq.request.constraint, i, seq.uncommitted_token)
-            if key in self._apart:  # filled apart, its mask on the way
-                apart.append(row)
-            elif any_apart and self._fills_apart(seq):
-                new_apart.append(row)
-                seq.uncommitted_token = None  # the job commits it
-            else:
-                rows.append(row)
+        held = len(placed) - placed.count(None)
+        if held < len(constraints) - constraints.count(None):  # rows the fill begun ahead does not hold
+            held_ids = {id(row.constraint) for row in placed if row is not None}
+            any_apart = self._any_apart()
+            for i, constraint in enumerate(constraints):
+                if constraint is None or id(constraint) in held_ids:
+                    continue
+                seq = running[i]
+                row = ConstrainedRow(constraint, i, seq.uncommitted_token)
+                if id(constraint) in self._apart:  # filled apart, its mask on the way
+                    apart.append(row)
+                elif any_apart and self._fills_apart(seq):
+                    new_apart.append(row)
+                    seq.uncommitted_token = None  # the job commits it
+                else:
+                    rows.append(row)
         if new_apart:
             self._start_apart(new_apart, None)
         if self._apart:
