@@ -1,0 +1,105 @@
+"""The mask-fill thread's host work per step at a full batch, on the CPU, phase by phase.
+
+What `MaskPostProcessor.fill` does on the server's fill thread each step (commit each row's token,
+compute the masks, settle failed rows, steer the looping rows and those near their length limit),
+without a model or a GPU: `--rows` rows of MaskBench schemas drawn at random from the whole pool
+(seed printed), compiled as the server compiles a `response_format` json_schema for the Llama 3
+tokenizer, each with the server's loop guard for `--max-tokens`. Each step every row's token is drawn
+uniformly from what its mask allows (as a random-weight model's argmax falls anywhere the mask
+allows); a row that ends (EOS, its limit, a failed grammar) starts again on the next schema.
+Reports wall and CPU ms per step of each phase, per round (spread over --rounds). The fill's Python
+runs under the GIL, which the server's engine thread needs to queue the next step: CPU here is GIL
+time there; `masks` is llguidance's (no GIL, on every core but one).
+
+    python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from constrained_tbt import DEFAULT_DATA, schema_candidates  # noqa: E402
+from llama3 import EOT_ID  # noqa: E402
+from measure import machine  # noqa: E402
+from slow_masks import compiled, llama3_compiler  # noqa: E402
+
+from llgtrt_core.constraints.postprocessor import MaskPostProcessor  # noqa: E402
+from llgtrt_core.engine.interface import ConstrainedRow, LoopGuardSettings  # noqa: E402
+
+
+def allowed_tokens(mask_row: np.ndarray, vocab_size: int) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(mask_row.view(np.uint8), bitorder="little")[:vocab_size])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="MaskBench folder or a .jsonl.gz pool")
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--schemas", type=int, default=128, help="drawn from the pool; rows take them in turn")
+    parser.add_argument("--steps", type=int, default=64, help="per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None, help="llguidance's mask pool (default: its own)")
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args()
+    seed = random.randrange(2**31) if args.seed is None else args.seed
+    print(f"seed {seed}\n{machine()}")
+    compiler = llama3_compiler()
+    grammars = []
+    for _, schema in schema_candidates(args.data, 0, seed):
+        grammar = compiled(compiler, schema)
+        if grammar is not None:
+            grammars.append(grammar)
+        if len(grammars) == args.schemas:
+            break
+    guard = LoopGuardSettings(max_tokens=args.max_tokens)
+    vocab_size = compiler.tokenizer.vocab_size
+    processor = MaskPostProcessor(compiler.tokenizer, args.rows, args.threads)
+    rng = random.Random(seed)
+    turn = 0
+
+    def fresh():
+        nonlocal turn
+        turn += 1
+        return compiler.new_constraint(grammars[turn % len(grammars)], "response_format", loop_guard=guard)
+
+    rows = [ConstrainedRow(fresh(), j, None) for j in range(args.rows)]
+    lengths = [0] * args.rows
+    per_round = []
+    for round_ in range(args.rounds):
+        processor.phases.totals.clear()
+        for _ in range(args.steps):
+            masks = processor.fill(rows).numpy()
+            for j, row in enumerate(rows):
+                tokens = allowed_tokens(masks[j], vocab_size)
+                token = int(tokens[rng.randrange(len(tokens))]) if len(tokens) else EOT_ID
+                lengths[j] += 1
+                if row.constraint.error is not None or token == EOT_ID or lengths[j] >= args.max_tokens:
+                    rows[j], lengths[j] = ConstrainedRow(fresh(), j, None), 0
+                else:
+                    rows[j] = ConstrainedRow(row.constraint, j, token)
+        totals = processor.phases.snapshot()
+        per_round.append({name: (1e3 * t["wall_s"] / args.steps, 1e3 * t["cpu_s"] / args.steps)
+                          for name, t in totals.items()})
+        print(f"round {round_ + 1}: " + ", ".join(f"{name} {wall:.3f} / {cpu:.3f}"
+                                                    for name, (wall, cpu) in per_round[-1].items())
+              + " ms a step (wall / CPU)", flush=True)
+    print(f"{len(grammars)} schemas, {args.rows} rows, max_tokens {args.max_tokens}, {args.steps} steps x "
+          f"{args.rounds} rounds; ms a step, median (min-max) of the rounds:")
+    for name in per_round[0]:
+        for kind, index in (("wall", 0), ("CPU", 1)):
+            values = [r[name][index] for r in per_round if name in r]
+            print(f"  {name:8s} {kind:4s} {statistics.median(values):7.3f} ({min(values):.3f}-{max(values):.3f})")
+
+
+if __name__ == "__main__":
+    main()
