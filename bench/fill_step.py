@@ -7,7 +7,8 @@ without a model or a GPU: `--rows` rows of MaskBench schemas drawn at random fro
 tokenizer, each with the server's loop guard for `--max-tokens`. Each step every row's token is drawn
 uniformly from what its mask allows (as a random-weight model's argmax falls anywhere the mask
 allows); a row that ends (EOS, its limit, a failed grammar) starts again on the next schema.
-Reports wall and CPU ms per step of each phase, per round (spread over --rounds). The fill's Python
+Reports wall and CPU ms per step of each phase and their total (the fill's time from the tokens
+to the masks, on the path to the step's draw), per round (spread over --rounds). The fill's Python
 runs under the GIL, which the server's engine thread needs to queue the next step: CPU here is GIL
 time there; `masks` is llguidance's (no GIL, on every core but one).
 
@@ -34,6 +35,7 @@ from slow_masks import compiled, llama3_compiler  # noqa: E402
 
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor  # noqa: E402
 from llgtrt_core.engine.interface import ConstrainedRow, LoopGuardSettings  # noqa: E402
+from llgtrt_core.engine.torch_engine import GIL_SWITCH_INTERVAL_CUDA_S  # noqa: E402
 
 
 def allowed_tokens(mask_row: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -53,6 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     seed = random.randrange(2**31) if args.seed is None else args.seed
     print(f"seed {seed}\n{machine()}")
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_CUDA_S)  # as the engine process on a GPU sets it
     compiler = llama3_compiler()
     grammars = []
     for _, schema in schema_candidates(args.data, 0, seed):
@@ -90,6 +93,7 @@ def main() -> None:
         totals = processor.phases.snapshot()
         per_round.append({name: (1e3 * t["wall_s"] / args.steps, 1e3 * t["cpu_s"] / args.steps)
                           for name, t in totals.items()})
+        per_round[-1]["total"] = tuple(sum(phase[i] for phase in per_round[-1].values()) for i in (0, 1))
         print(f"round {round_ + 1}: " + ", ".join(f"{name} {wall:.3f} / {cpu:.3f}"
                                                     for name, (wall, cpu) in per_round[-1].items())
               + " ms a step (wall / CPU)", flush=True)
