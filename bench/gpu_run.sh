@@ -14,6 +14,11 @@
 #   apart   batch 128 and 256 x 3 rounds on $SEED (default: a random one) against a server restarted for each
 #           mode in $APART_MODES (default "on off"): slow grammars' rows filled apart (on: the default) or
 #           every row in the batch (off: llguidance.slow_mask_ms null); each with a step log and its sit-outs
+#   ab      batch 128 and 256 x 3 rounds on one seed ($SEED, default a random one) against a server restarted
+#           for each tree in turn, base / current / base / current: base is the commit bench/base_tree.sh
+#           put in .serve_whl/base, current the working tree (two versions of the code on one machine)
+#   fill    bench/fill_step.py on this machine's host, 256 rows x 3 rounds (no GPU): how fast it fills masks
+#           (an H100 host took 3.2-4.1 ms a step where the H200s took 1.8-1.9, engine.md "Session 21")
 #   threads batch 256 x 6 rounds on one random seed against a server restarted for each mask-fill pool
 #           size in $MASK_THREADS_LIST (default "default 8 4"; "default": llguidance's), each with a step log
 # Everything lands in $OUT (the server's log as server.log).
@@ -68,6 +73,20 @@ for stage in "$@"; do
                 --data $D --json $OUT/constrained_tbt_threads_$T.json | grep -v "^|"
         done
         unset LLGTRT_MASK_THREADS LLGTRT_STEP_LOG ;;
+    fill)
+        python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3 --data $D | grep -v "^round" ;;
+    ab)
+        SEED=${SEED:-$(random_seed)}
+        [ -f .serve_whl/base/REVISION ] || { echo "no .serve_whl/base: bash bench/base_tree.sh REV"; exit 1; }
+        RUN=0
+        for TREE in base current base current; do
+            RUN=$((RUN + 1))
+            stop_server
+            if [ $TREE = base ]; then (cd .serve_whl/base && source ../../bench/gpu_serve.sh) || exit 1; else serve; fi
+            echo "-- $TREE ($([ $TREE = base ] && cat .serve_whl/base/REVISION || echo working tree))"
+            python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 3 --max-tokens 64 --seed $SEED \
+                --data $D --json $OUT/constrained_tbt_ab${RUN}_$TREE.json | grep -v "^|"
+        done ;;
     apart)
         SEED=${SEED:-$(random_seed)}
         echo '{llguidance: {slow_mask_ms: null}}' > /tmp/apart_off.json5
