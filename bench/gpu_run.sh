@@ -18,7 +18,8 @@
 #           for each tree in turn, base / current / base / current: base is the commit bench/base_tree.sh
 #           put in .serve_whl/base, current the working tree (two versions of the code on one machine)
 #   fill    bench/fill_step.py on this machine's host, 256 rows x 3 rounds (no GPU): how fast it fills masks
-#           (an H100 host took 3.2-4.1 ms a step where the H200s took 1.8-1.9, engine.md "Session 21")
+#           (in the server an H100 host's masks took 3.2-4.1 ms a step at batch 256, the H200s' 1.8-1.9,
+#           engine.md "Session 21")
 #   threads batch 256 x 6 rounds on one random seed against a server restarted for each mask-fill pool
 #           size in $MASK_THREADS_LIST (default "default 8 4"; "default": llguidance's), each with a step log
 # Everything lands in $OUT (the server's log as server.log).
