@@ -12,7 +12,13 @@ to the masks, on the path to the step's draw), per round (spread over --rounds).
 runs under the GIL, which the server's engine thread needs to queue the next step: CPU here is GIL
 time there; `masks` is llguidance's (no GIL, on every core but one).
 
+With --per-row, each row's token is committed and its mask computed alone on this thread, timed: the
+distribution of one mask's time, and per step the slowest row against the sum over the rows (a
+batched fill, in parallel, waits for its slowest row), and how often a row slow at one step
+(--slow-ms) is slow at its next.
+
     python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3
+    python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3 --per-row
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ import argparse
 import random
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -42,6 +50,36 @@ def allowed_tokens(mask_row: np.ndarray, vocab_size: int) -> np.ndarray:
     return np.flatnonzero(np.unpackbits(mask_row.view(np.uint8), bitorder="little")[:vocab_size])
 
 
+def fill_row_by_row(rows: list[ConstrainedRow], host: torch.Tensor) -> list[float]:
+    """Commit each row's token and compute its mask into host[j], one row at a time: each row's seconds."""
+    row_bytes = host.shape[1] * 4
+    times = []
+    for j, row in enumerate(rows):
+        matcher = row.constraint.matcher
+        start = time.perf_counter()
+        if row.new_token is None or matcher.consume_token(row.new_token):
+            matcher.unsafe_compute_mask_ptr(host.data_ptr() + j * row_bytes, row_bytes)
+        else:
+            row.constraint.fail("token rejected")
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def tail_report(times: list[list[float]], slow_s: float) -> str:
+    """From each step's per-row seconds (rows in order, a row's sequence replaced when it ends)."""
+    every = sorted(t for step in times for t in step)
+    q = lambda xs, p: 1e3 * xs[int(p * (len(xs) - 1))]  # noqa: E731
+    slowest = sorted(max(step) for step in times)
+    sums = sorted(sum(step) for step in times)
+    after_slow = [later > slow_s for step, next_step in zip(times, times[1:])
+                  for earlier, later in zip(step, next_step) if earlier > slow_s]
+    share = sum(t > slow_s for t in every) / len(every)
+    return (f"one mask: p50 {q(every, .5):.3f} p90 {q(every, .9):.3f} p99 {q(every, .99):.3f} p99.9 "
+            f"{q(every, .999):.3f} max {1e3 * every[-1]:.2f} ms; a step: slowest row p50 {q(slowest, .5):.2f} p90 "
+            f"{q(slowest, .9):.2f} ms, all rows p50 {q(sums, .5):.2f} ms; slow (> {1e3 * slow_s:g} ms) {share:.2%} "
+            f"of masks, {sum(after_slow) / max(len(after_slow), 1):.0%} of those rows slow at their next step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="MaskBench folder or a .jsonl.gz pool")
@@ -52,6 +90,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None, help="llguidance's mask pool (default: its own)")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--per-row", action="store_true", help="each row's mask alone, timed (no batched fill)")
+    parser.add_argument("--slow-ms", type=float, default=0.3, help="with --per-row: a slow mask")
     args = parser.parse_args()
     seed = random.randrange(2**31) if args.seed is None else args.seed
     print(f"seed {seed}\n{machine()}")
@@ -80,8 +120,13 @@ def main() -> None:
     per_round = []
     for round_ in range(args.rounds):
         processor.phases.totals.clear()
+        row_times: list[list[float]] = []
         for _ in range(args.steps):
-            masks = processor.fill(rows).numpy()
+            if args.per_row:
+                row_times.append(fill_row_by_row(rows, processor._host_masks))
+                masks = processor._host_masks.numpy()
+            else:
+                masks = processor.fill(rows).numpy()
             for j, row in enumerate(rows):
                 tokens = allowed_tokens(masks[j], vocab_size)
                 token = int(tokens[rng.randrange(len(tokens))]) if len(tokens) else EOT_ID
@@ -90,6 +135,9 @@ def main() -> None:
                     rows[j], lengths[j] = ConstrainedRow(fresh(), j, None), 0
                 else:
                     rows[j] = ConstrainedRow(row.constraint, j, token)
+        if args.per_row:
+            print(f"round {round_ + 1}: {tail_report(row_times, args.slow_ms / 1e3)}", flush=True)
+            continue
         totals = processor.phases.snapshot()
         per_round.append({name: (1e3 * t["wall_s"] / args.steps, 1e3 * t["cpu_s"] / args.steps)
                           for name, t in totals.items()})
@@ -97,6 +145,8 @@ def main() -> None:
         print(f"round {round_ + 1}: " + ", ".join(f"{name} {wall:.3f} / {cpu:.3f}"
                                                     for name, (wall, cpu) in per_round[-1].items())
               + " ms a step (wall / CPU)", flush=True)
+    if args.per_row:
+        return
     print(f"{len(grammars)} schemas, {args.rows} rows, max_tokens {args.max_tokens}, {args.steps} steps x "
           f"{args.rounds} rounds; ms a step, median (min-max) of the rounds:")
     for name in per_round[0]:
