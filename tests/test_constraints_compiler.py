@@ -5,12 +5,14 @@ and the llguidance tokenizer builder."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import random
 import time
 
 import llguidance
+import numpy as np
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -18,7 +20,7 @@ from transformers import PreTrainedTokenizerFast
 from llgtrt_core.constraints import (GrammarCompiler, GrammarConstraint, GrammarRequestError, GrammarText,
                                     build_ll_tokenizer)
 from llgtrt_core.config import LlguidanceConfig
-from llgtrt_core.constraints.mask_probe import mask_probe_seconds
+from llgtrt_core.constraints.mask_probe import PROBE_TOKENS, draw_allowed, mask_probe_seconds
 from llgtrt_core.constraints.request_grammar import json_schema_grammar
 
 BYTES = llguidance.LLTokenizer("byte")
@@ -170,13 +172,24 @@ def test_a_mask_probe_walks_a_copy_on_allowed_tokens_until_the_grammar_ends():
     assert 2 <= len(mask_probe_seconds(short.matcher, 16, random.Random(0), [BYTES.eos_token])) < 16
 
 
+def test_a_probe_draws_each_allowed_token_alike_and_an_avoided_one_only_when_alone():
+    rng = random.Random(0)
+    mask = np.zeros(4, dtype=np.uint8)
+    mask[0], mask[3] = 0b10010001, 0b10000000  # tokens 0, 4, 7 and 31
+    drawn = collections.Counter(draw_allowed(mask, rng, [7]) for _ in range(3000))
+    assert set(drawn) == {0, 4, 31} and min(drawn.values()) > 900
+    assert draw_allowed(np.array([0, 0b100, 0, 0], dtype=np.uint8), rng, [10]) == 10
+    assert draw_allowed(np.zeros(4, dtype=np.uint8), rng) is None
+
+
 def probe_warnings(compiler: GrammarCompiler, caplog: pytest.LogCaptureFixture) -> list[str]:
     """The warnings of `compiler`'s probes once they are done (compiling DIGITS the one way the
     compiler's `compiled_by_engine` leaves)."""
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="llgtrt_core.constraints.grammar"):
         run(compiler.compile(DIGITS))
-        compiler._pool.shutdown(wait=True)  # the probe runs on the compile threads, after the compile
+        compiler._pool.shutdown(wait=True)  # the compile, which queues the probe
+        compiler._probes.shutdown(wait=True)
     return [r.getMessage() for r in caplog.records if "token masks take" in r.getMessage()]
 
 
@@ -185,7 +198,7 @@ def test_a_new_grammar_whose_masks_are_slow_is_marked_and_warned_of(caplog):
     marks it slow (the engine fills its rows apart) and says so, once, in the log."""
     slow = GrammarCompiler(BYTES, slow_mask_s=0.0)
     warned = probe_warnings(slow, caplog)
-    assert len(warned) == 1 and "16 probed" in warned[0] and "[0-9]+" in warned[0]
+    assert len(warned) == 1 and f"{PROBE_TOKENS} probed" in warned[0] and "[0-9]+" in warned[0]
     assert run(slow.compile(DIGITS)).mask_cost.slow and slow.new_constraint(run(slow.compile(DIGITS))).mask_cost.slow
     fast = GrammarCompiler(BYTES, slow_mask_s=60.0)
     assert probe_warnings(fast, caplog) == []  # no mask takes a minute

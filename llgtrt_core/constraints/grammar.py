@@ -193,6 +193,9 @@ class GrammarCompiler:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_workers or min(4, os.cpu_count() or 1), thread_name_prefix="grammar"
         )
+        # Probes walk in the background, one at a time, on a thread of their own: a compile (a
+        # request waiting for its first token) never queues behind one (the slowest take ~0.3 s).
+        self._probes = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-probe")
 
     @classmethod
     def from_config(cls, ll_tokenizer: LLTokenizer, guidance: "LlguidanceConfig") -> "GrammarCompiler":
@@ -278,7 +281,8 @@ class GrammarCompiler:
                                  compiled.mask_cost)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._probes):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _build(self, grammar: str) -> Union[CompiledGrammar, _Failure]:
         start = time.perf_counter()
@@ -294,7 +298,7 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         if isinstance(result, CompiledGrammar) and self.slow_mask_s is not None and not self.compiled_by_engine:
             try:
-                self._pool.submit(self._probe, result)
+                self._probes.submit(self._probe, result)
             except RuntimeError:  # closed meanwhile
                 pass
         return result
