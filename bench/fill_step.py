@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from llguidance.torch import allocate_token_bitmask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -107,6 +108,7 @@ def main() -> None:
     guard = LoopGuardSettings(max_tokens=args.max_tokens)
     vocab_size = compiler.tokenizer.vocab_size
     processor = MaskPostProcessor(compiler.tokenizer, args.rows, args.threads)
+    host = allocate_token_bitmask(args.rows, vocab_size)  # --per-row's masks
     rng = random.Random(seed)
     turn = 0
 
@@ -123,8 +125,8 @@ def main() -> None:
         row_times: list[list[float]] = []
         for _ in range(args.steps):
             if args.per_row:
-                row_times.append(fill_row_by_row(rows, processor._host_masks))
-                masks = processor._host_masks.numpy()
+                row_times.append(fill_row_by_row(rows, host))
+                masks = host.numpy()
             else:
                 masks = processor.fill(rows).numpy()
             for j, row in enumerate(rows):
