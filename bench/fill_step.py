@@ -15,7 +15,8 @@ time there; `masks` is llguidance's (no GIL, on every core but one).
 With --per-row, each row's token is committed and its mask computed alone on this thread, timed: the
 distribution of one mask's time, and per step the slowest row against the sum over the rows (a
 batched fill, in parallel, waits for its slowest row), and how often a row slow at one step
-(--slow-ms) is slow at its next.
+(--slow-ms) is slow at its next; the slowest row of the batch proper leaves out the rows of grammars
+the server's probe (--probe-tokens, its walk) marks slow, which it fills apart.
 
     python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3
     python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3 --per-row
@@ -42,6 +43,8 @@ from llama3 import EOT_ID  # noqa: E402
 from measure import machine  # noqa: E402
 from slow_masks import compiled, llama3_compiler  # noqa: E402
 
+from llgtrt_core.config import LlguidanceConfig  # noqa: E402
+from llgtrt_core.constraints.mask_probe import PROBE_TOKENS, probe_grammar  # noqa: E402
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor  # noqa: E402
 from llgtrt_core.engine.interface import ConstrainedRow, LoopGuardSettings  # noqa: E402
 from llgtrt_core.engine.torch_engine import GIL_SWITCH_INTERVAL_CUDA_S  # noqa: E402
@@ -66,18 +69,22 @@ def fill_row_by_row(rows: list[ConstrainedRow], host: torch.Tensor) -> list[floa
     return times
 
 
-def tail_report(times: list[list[float]], slow_s: float) -> str:
-    """From each step's per-row seconds (rows in order, a row's sequence replaced when it ends)."""
+def tail_report(times: list[list[float]], apart: list[list[bool]], slow_s: float) -> str:
+    """From each step's per-row seconds (rows in order, a row's sequence replaced when it ends) and
+    which rows the server fills apart (their grammar's probe marked it slow)."""
     every = sorted(t for step in times for t in step)
     q = lambda xs, p: 1e3 * xs[int(p * (len(xs) - 1))]  # noqa: E731
     slowest = sorted(max(step) for step in times)
+    batch_slowest = sorted(max((t for t, out in zip(step, outs) if not out), default=0.0)
+                           for step, outs in zip(times, apart))
     sums = sorted(sum(step) for step in times)
     after_slow = [later > slow_s for step, next_step in zip(times, times[1:])
                   for earlier, later in zip(step, next_step) if earlier > slow_s]
     share = sum(t > slow_s for t in every) / len(every)
     return (f"one mask: p50 {q(every, .5):.3f} p90 {q(every, .9):.3f} p99 {q(every, .99):.3f} p99.9 "
             f"{q(every, .999):.3f} max {1e3 * every[-1]:.2f} ms; a step: slowest row p50 {q(slowest, .5):.2f} p90 "
-            f"{q(slowest, .9):.2f} ms, all rows p50 {q(sums, .5):.2f} ms; slow (> {1e3 * slow_s:g} ms) {share:.2%} "
+            f"{q(slowest, .9):.2f} ms, the batch's (rows filled apart aside) p50 {q(batch_slowest, .5):.2f} p90 "
+            f"{q(batch_slowest, .9):.2f} ms, all rows p50 {q(sums, .5):.2f} ms; slow (> {1e3 * slow_s:g} ms) {share:.2%} "
             f"of masks, {sum(after_slow) / max(len(after_slow), 1):.0%} of those rows slow at their next step")
 
 
@@ -93,6 +100,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--per-row", action="store_true", help="each row's mask alone, timed (no batched fill)")
     parser.add_argument("--slow-ms", type=float, default=0.3, help="with --per-row: a slow mask")
+    parser.add_argument("--probe-tokens", type=int, default=PROBE_TOKENS,
+                        help="with --per-row: the server's probe walk, whose slow grammars' rows it fills apart")
     args = parser.parse_args()
     seed = random.randrange(2**31) if args.seed is None else args.seed
     print(f"seed {seed}\n{machine()}")
@@ -105,6 +114,13 @@ def main() -> None:
             grammars.append(grammar)
         if len(grammars) == args.schemas:
             break
+    slow_s = LlguidanceConfig().slow_mask_ms / 1e3
+    if args.per_row:  # as the server's compiler marks them
+        slow = [grammar for grammar in grammars if statistics.fmean(
+            probe_grammar(grammar.matcher, grammar.grammar, [EOT_ID], args.probe_tokens)) >= slow_s]
+        for grammar in slow:
+            grammar.mask_cost.mark_slow()
+        print(f"{len(slow)} of {len(grammars)} grammars slow by a {args.probe_tokens}-token probe: filled apart")
     guard = LoopGuardSettings(max_tokens=args.max_tokens)
     vocab_size = compiler.tokenizer.vocab_size
     processor = MaskPostProcessor(compiler.tokenizer, args.rows, args.threads)
@@ -123,8 +139,10 @@ def main() -> None:
     for round_ in range(args.rounds):
         processor.phases.totals.clear()
         row_times: list[list[float]] = []
+        row_apart: list[list[bool]] = []
         for _ in range(args.steps):
             if args.per_row:
+                row_apart.append([row.constraint.mask_cost.slow for row in rows])
                 row_times.append(fill_row_by_row(rows, host))
                 masks = host.numpy()
             else:
@@ -138,7 +156,7 @@ def main() -> None:
                 else:
                     rows[j] = ConstrainedRow(row.constraint, j, token)
         if args.per_row:
-            print(f"round {round_ + 1}: {tail_report(row_times, args.slow_ms / 1e3)}", flush=True)
+            print(f"round {round_ + 1}: {tail_report(row_times, row_apart, args.slow_ms / 1e3)}", flush=True)
             continue
         totals = processor.phases.snapshot()
         per_round.append({name: (1e3 * t["wall_s"] / args.steps, 1e3 * t["cpu_s"] / args.steps)

@@ -13,11 +13,9 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-import random
 import statistics
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
@@ -27,7 +25,7 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llgtrt_core import metrics
 from llgtrt_core.constraints.errors import GrammarRequestError
 from llgtrt_core.constraints.loop_guard import LoopGuard, LoopGuardSettings
-from llgtrt_core.constraints.mask_probe import PROBE_TOKENS, mask_probe_seconds
+from llgtrt_core.constraints.mask_probe import probe_grammar
 from llgtrt_core.constraints.request_grammar import NumberBounds, grammar_for_request, request_grammar
 
 __all__ = [
@@ -306,9 +304,8 @@ class GrammarCompiler:
     def _probe(self, compiled: CompiledGrammar) -> None:
         """Mark a grammar whose masks are slow, and say so: the engine fills its rows apart from the
         batch's, and its requests' tokens come slower than the others' (a step does not wait for them)."""
-        rng = random.Random(zlib.crc32(compiled.grammar.encode()))
         try:
-            times = mask_probe_seconds(compiled.matcher, PROBE_TOKENS, rng, self.tokenizer.eos_tokens)
+            times = probe_grammar(compiled.matcher, compiled.grammar, self.tokenizer.eos_tokens)
         except Exception:  # llguidance refusing a step: the request that takes it finds out
             logger.debug("mask probe failed", exc_info=True)
             return

@@ -11,16 +11,23 @@ from __future__ import annotations
 
 import random
 import time
+import zlib
 from typing import Optional, Sequence
 
 import numpy as np
 from llguidance import LLMatcher
 
 # 64, not 16: some grammars' masks turn slow only past their first tokens (MaskBench's
-# Github_hard---o21073: a 16-token walk's masks under 0.3 ms on average, a 64-token walk's 3.3 ms, and
-# every step of a batch holding it waited for it; docs/benchmarks/engine.md, session 21).
+# Github_easy---o21456: 0.19 ms a mask on average over this probe's first 16 tokens, 0.75 ms over 64;
+# docs/benchmarks/engine.md, session 21), and a batch holding one waits for it every step.
 PROBE_TOKENS = 64
 _BITS_IN_BYTE = np.array([bin(byte).count("1") for byte in range(256)], dtype=np.int64)
+
+
+def probe_grammar(template: LLMatcher, grammar: str, avoided: Sequence[int] = (),
+                  tokens: int = PROBE_TOKENS) -> list[float]:
+    """The compiler's probe of a grammar (`grammar`, its text, seeds the walk: the same walk each time)."""
+    return mask_probe_seconds(template, tokens, random.Random(zlib.crc32(grammar.encode())), avoided)
 
 
 def mask_probe_seconds(template: LLMatcher, tokens: int, rng: random.Random,
