@@ -17,7 +17,8 @@
 #   ab      batch 128 and 256 x 3 rounds on one seed ($SEED, default a random one) against a server restarted
 #           for each tree in turn, base / current / base / current: base is the commit bench/base_tree.sh
 #           put in .serve_whl/base, current the working tree (two versions of the code on one machine)
-#   fill    bench/fill_step.py on this machine's host, 256 rows x 3 rounds (no GPU): how fast it fills masks
+#   fill    bench/fill_step.py on this machine's host, 256 rows x 3 rounds (no GPU): how fast it fills masks,
+#           then each row's mask alone on one seed (--per-row: the slowest row a batched fill waits for)
 #           (in the server an H100 host's masks took 3.2-4.1 ms a step at batch 256, the H200s' 1.8-1.9,
 #           engine.md "Session 21")
 #   threads batch 256 x 6 rounds on one random seed against a server restarted for each mask-fill pool
@@ -75,7 +76,9 @@ for stage in "$@"; do
         done
         unset LLGTRT_MASK_THREADS LLGTRT_STEP_LOG ;;
     fill)
-        python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3 --data $D | grep -v "^round" ;;
+        SEED=$(random_seed)
+        python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3 --seed $SEED --data $D | grep -v "^round"
+        python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3 --seed $SEED --data $D --per-row ;;
     ab)
         SEED=${SEED:-$(random_seed)}
         [ -f .serve_whl/base/REVISION ] || { echo "no .serve_whl/base: bash bench/base_tree.sh REV"; exit 1; }
