@@ -44,14 +44,10 @@ from measure import machine  # noqa: E402
 from slow_masks import compiled, llama3_compiler  # noqa: E402
 
 from llgtrt_core.config import LlguidanceConfig  # noqa: E402
-from llgtrt_core.constraints.mask_probe import PROBE_TOKENS, probe_grammar  # noqa: E402
+from llgtrt_core.constraints.mask_probe import PROBE_TOKENS, draw_allowed, probe_grammar  # noqa: E402
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor  # noqa: E402
 from llgtrt_core.engine.interface import ConstrainedRow, LoopGuardSettings  # noqa: E402
 from llgtrt_core.engine.torch_engine import GIL_SWITCH_INTERVAL_CUDA_S  # noqa: E402
-
-
-def allowed_tokens(mask_row: np.ndarray, vocab_size: int) -> np.ndarray:
-    return np.flatnonzero(np.unpackbits(mask_row.view(np.uint8), bitorder="little")[:vocab_size])
 
 
 def fill_row_by_row(rows: list[ConstrainedRow], host: torch.Tensor) -> list[float]:
@@ -148,8 +144,8 @@ def main() -> None:
             else:
                 masks = processor.fill(rows).numpy()
             for j, row in enumerate(rows):
-                tokens = allowed_tokens(masks[j], vocab_size)
-                token = int(tokens[rng.randrange(len(tokens))]) if len(tokens) else EOT_ID
+                token = draw_allowed(masks[j].view(np.uint8), rng)
+                token = EOT_ID if token is None else token
                 lengths[j] += 1
                 if row.constraint.error is not None or token == EOT_ID or lengths[j] >= args.max_tokens:
                     rows[j], lengths[j] = ConstrainedRow(fresh(), j, None), 0
