@@ -54,9 +54,6 @@ for stage in "$@"; do
             --json $OUT/http_load.json ;;
     engine)
         stop_server
-        # Twice (sessions 20's calls 3 and 8) the engine alone ran its batch-256 steps host-bound here
-        # (21-22k tok/s against 25-28k) with no CPU stolen: what else was busy when it started.
-        top -b -n 2 -d 1 -w 160 | awk '/^top -/ {frame++} frame == 2' | sed -n '7,12p'
         python3 bench/engine_decode.py --batches 1 256 --hf-batches --out $OUT ;;
     control)
         serve
