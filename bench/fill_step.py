@@ -44,7 +44,7 @@ from measure import machine  # noqa: E402
 from slow_masks import compiled, llama3_compiler  # noqa: E402
 
 from llgtrt_core.config import LlguidanceConfig  # noqa: E402
-from llgtrt_core.constraints.mask_probe import PROBE_TOKENS, draw_allowed, probe_grammar  # noqa: E402
+from llgtrt_core.constraints.mask_probe import PROBE_TOKENS, draw_allowed, probe_cost, probe_grammar  # noqa: E402
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor  # noqa: E402
 from llgtrt_core.engine.interface import ConstrainedRow, LoopGuardSettings  # noqa: E402
 from llgtrt_core.engine.torch_engine import GIL_SWITCH_INTERVAL_CUDA_S  # noqa: E402
@@ -112,8 +112,8 @@ def main() -> None:
             break
     slow_s = LlguidanceConfig().slow_mask_ms / 1e3
     if args.per_row:  # as the server's compiler marks them
-        slow = [grammar for grammar in grammars if statistics.fmean(
-            probe_grammar(grammar.matcher, grammar.grammar, [EOT_ID], args.probe_tokens)) >= slow_s]
+        slow = [grammar for grammar in grammars
+                if probe_cost(probe_grammar(grammar.matcher, grammar.grammar, [EOT_ID], args.probe_tokens)) >= slow_s]
         for grammar in slow:
             grammar.mask_cost.mark_slow()
         print(f"{len(slow)} of {len(grammars)} grammars slow by a {args.probe_tokens}-token probe: filled apart")

@@ -20,7 +20,8 @@ from transformers import PreTrainedTokenizerFast
 from llgtrt_core.constraints import (GrammarCompiler, GrammarConstraint, GrammarRequestError, GrammarText,
                                     build_ll_tokenizer)
 from llgtrt_core.config import LlguidanceConfig
-from llgtrt_core.constraints.mask_probe import PROBE_TOKENS, draw_allowed, mask_probe_seconds
+from llgtrt_core.constraints.mask_probe import (PROBE_START_TOKENS, PROBE_TOKENS, draw_allowed, mask_probe_seconds,
+                                                probe_cost)
 from llgtrt_core.constraints.request_grammar import json_schema_grammar
 
 BYTES = llguidance.LLTokenizer("byte")
@@ -180,6 +181,15 @@ def test_a_probe_draws_each_allowed_token_alike_and_an_avoided_one_only_when_alo
     assert set(drawn) == {0, 4, 31} and min(drawn.values()) > 900
     assert draw_allowed(np.array([0, 0b100, 0, 0], dtype=np.uint8), rng, [10]) == 10
     assert draw_allowed(np.zeros(4, dtype=np.uint8), rng) is None
+
+
+def test_a_probe_judges_a_grammar_by_its_first_masks_or_its_whole_walk_whichever_is_slower():
+    start, rest = PROBE_START_TOKENS, PROBE_TOKENS - PROBE_START_TOKENS
+    slow_at_start = [1.0] * start + [0.0] * rest
+    slow_further_on = [0.0] * start + [1.0] * rest
+    assert probe_cost(slow_at_start) == 1.0  # the whole walk's mean alone would be 0.25
+    assert probe_cost(slow_further_on) == rest / PROBE_TOKENS
+    assert probe_cost([0.5] * 3) == 0.5  # a walk ended early by its grammar
 
 
 def probe_warnings(compiler: GrammarCompiler, caplog: pytest.LogCaptureFixture) -> list[str]:

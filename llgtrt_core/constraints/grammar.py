@@ -13,7 +13,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-import statistics
 import threading
 import time
 from collections import OrderedDict
@@ -25,7 +24,7 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llgtrt_core import metrics
 from llgtrt_core.constraints.errors import GrammarRequestError
 from llgtrt_core.constraints.loop_guard import LoopGuard, LoopGuardSettings
-from llgtrt_core.constraints.mask_probe import probe_grammar
+from llgtrt_core.constraints.mask_probe import probe_cost, probe_grammar
 from llgtrt_core.constraints.request_grammar import NumberBounds, grammar_for_request, request_grammar
 
 __all__ = [
@@ -309,7 +308,7 @@ class GrammarCompiler:
         except Exception:  # llguidance refusing a step: the request that takes it finds out
             logger.debug("mask probe failed", exc_info=True)
             return
-        mean = statistics.fmean(times)
+        mean = probe_cost(times)
         if mean >= self.slow_mask_s:
             compiled.mask_cost.mark_slow()
             logger.warning("a grammar's token masks take %.2f ms each (%d probed, the slowest %.2f ms): marked slow, "

@@ -10,6 +10,7 @@ the batch's (engine/constraint_stage.py); bench/slow_masks.py probes MaskBench.
 from __future__ import annotations
 
 import random
+import statistics
 import time
 import zlib
 from typing import Optional, Sequence
@@ -19,8 +20,10 @@ from llguidance import LLMatcher
 
 # 64, not 16: some grammars' masks turn slow only past their first tokens (MaskBench's
 # Github_easy---o21456: 0.19 ms a mask on average over this probe's first 16 tokens, 0.75 ms over 64;
-# docs/benchmarks/engine.md, session 21), and a batch holding one waits for it every step.
+# docs/benchmarks/engine.md, session 21), and a batch holding one waits for it every step. Others are
+# slow at their start only, which the mean of a longer walk dilutes: `probe_cost` reads both.
 PROBE_TOKENS = 64
+PROBE_START_TOKENS = 16
 _BITS_IN_BYTE = np.array([bin(byte).count("1") for byte in range(256)], dtype=np.int64)
 
 
@@ -28,6 +31,12 @@ def probe_grammar(template: LLMatcher, grammar: str, avoided: Sequence[int] = ()
                   tokens: int = PROBE_TOKENS) -> list[float]:
     """The compiler's probe of a grammar (`grammar`, its text, seeds the walk: the same walk each time)."""
     return mask_probe_seconds(template, tokens, random.Random(zlib.crc32(grammar.encode())), avoided)
+
+
+def probe_cost(times: Sequence[float]) -> float:
+    """The mean mask time a probe judges a grammar by: over its first `PROBE_START_TOKENS` masks or
+    over the whole walk, whichever is higher (a grammar slow at its start, or only further on)."""
+    return max(statistics.fmean(times[:PROBE_START_TOKENS]), statistics.fmean(times))
 
 
 def mask_probe_seconds(template: LLMatcher, tokens: int, rng: random.Random,
