@@ -21,6 +21,9 @@
 #           then each row's mask alone on one seed (--per-row: the slowest row a batched fill waits for)
 #           (in the server an H100 host's masks took 3.2-4.1 ms a step at batch 256, the H200s' 1.8-1.9,
 #           engine.md "Session 21")
+#   spy     step_profile: 256 closed-loop streams of 64 tokens, a plain window then a constrained one (20 s
+#           each), py-spy sampling the GIL's holders in the server's processes halfway through each
+#           (gil_*.txt, raw stacks: which functions of which thread hold the GIL), and the step's phases
 #   threads batch 256 x 6 rounds on one random seed against a server restarted for each mask-fill pool
 #           size in $MASK_THREADS_LIST (default "default 8 4"; "default": llguidance's), each with a step log
 # Everything lands in $OUT (the server's log as server.log).
@@ -62,6 +65,10 @@ for stage in "$@"; do
             python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 6 --max-tokens 64 --seed $SEED \
                 --data $D --json $OUT/constrained_tbt_$RUN.json $([ $RUN = aa ] && echo --control) | grep -v "^|"
         done ;;
+    spy)
+        serve
+        python3 bench/step_profile.py --url $SERVER --clients 256 --seconds 20 --rounds 1 --max-tokens 64 \
+            --data $D --py-spy --py-spy-dir $OUT --json $OUT/step_profile.json ;;
     threads)
         SEED=$(random_seed)
         for T in ${MASK_THREADS_LIST:-default 8 4}; do

@@ -51,15 +51,20 @@ from http_load import (  # noqa: E402
 THREAD_NAME = re.compile(r"thread \(\d+\): ([^;]*)")
 
 
-def server_pid(url: str) -> Optional[int]:
-    """The process listening on the server's port (bentoml's arbiter; its workers are its children)."""
+def profiled_process(url: str) -> tuple[Optional[int], str]:
+    """The engine process, whose engine and mask-fill threads share a GIL (an API worker listening on
+    the server's port has a GIL of its own, and py-spy's --subprocesses does not reach the engine
+    process from it); else the process listening on the port."""
     import psutil
 
+    for process in psutil.process_iter(["cmdline"]):
+        if "llgtrt_core.engine.core_process" in (process.info["cmdline"] or []):
+            return process.pid, "engine process"
     port = urlparse(url).port
     for conn in psutil.net_connections(kind="tcp"):
         if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
-            return conn.pid
-    return None
+            return conn.pid, "serving process"
+    return None, ""
 
 
 def start_py_spy(pid: int, seconds: float, out: Path) -> Optional[subprocess.Popen]:
@@ -73,9 +78,10 @@ def start_py_spy(pid: int, seconds: float, out: Path) -> Optional[subprocess.Pop
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def gil_profile(raw: Path, top: int = 8) -> dict[str, Any]:
+def gil_profile(raw: Path, sampled: str, top: int = 8) -> dict[str, Any]:
     """Samples holding the GIL, per process (each has its own GIL) and thread, and the most frequent
-    frames of ours per thread. Pool threads count under their pool's name."""
+    frames of ours per thread (`sampled`: the process py-spy was pointed at). Pool threads count
+    under their pool's name."""
     by_thread: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     frames: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     if not raw.exists():
@@ -86,7 +92,8 @@ def gil_profile(raw: Path, top: int = 8) -> dict[str, Any]:
             continue
         # --subprocesses nests a child's stacks under its parent's "process" frame.
         processes = [f for f in stack.split(";") if f.startswith("process ")]
-        process = "engine process" if any("core_process" in f for f in processes) else "serving process"
+        process = "engine process" if any("core_process" in f for f in processes) or (
+            not processes and sampled == "engine process") else "serving process"
         name = THREAD_NAME.search(stack)
         thread = re.sub(r"[-_]\d+$", "", name.group(1)) if name else "?"
         by_thread[process][thread] += int(count_text)
@@ -102,7 +109,7 @@ async def run_window(client: httpx.AsyncClient, pool: ClientProcesses, url: str,
     before = await engine_stats(client, url)
     spy = None
     if spy_out is not None:
-        pid = server_pid(url)
+        pid, sampled = profiled_process(url)
         if pid is not None:
             async def spy_later() -> Optional[subprocess.Popen]:
                 await asyncio.sleep(seconds * 0.3)  # past the first wave of prefills
@@ -115,7 +122,7 @@ async def run_window(client: httpx.AsyncClient, pool: ClientProcesses, url: str,
         process = await spy
         if process is not None:
             await asyncio.to_thread(process.wait)
-            out["gil"] = gil_profile(spy_out)
+            out["gil"] = gil_profile(spy_out, sampled)
     return out
 
 

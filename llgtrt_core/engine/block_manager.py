@@ -21,7 +21,7 @@ import math
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Hashable, Optional, Sequence
+from typing import Hashable, Iterable, Optional, Sequence
 
 BLOCK_SIZE = 16  # positions per block
 SCRATCH_BLOCK = 0
@@ -100,6 +100,11 @@ class BlockManager:
 
     def blocks_held(self, key: Hashable) -> int:
         return len(self.blocks(key))
+
+    def positions_held(self, keys: Iterable[Hashable]) -> list[int]:
+        """The positions each key's blocks hold (0 for a key that holds none)."""
+        tables, size = self._tables, self.block_size
+        return [len(tables[key].blocks) * size if key in tables else 0 for key in keys]
 
     def registered(self, key: Hashable, position: int) -> bool:
         """Whether `key`'s `position` lies in a block that is (or may be) shared through the prefix

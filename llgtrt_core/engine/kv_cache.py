@@ -155,6 +155,14 @@ class KVCache:
             self._follow_growth()
         return True
 
+    def short_rows(self, positions: list[int]) -> list[int]:
+        """The rows (0 .. len(positions) - 1) for which `allocate(row, positions[row])` has blocks to
+        add: at a decode step a row crosses into a new block once every `block_size` tokens, so the
+        others are passed over without a call each."""
+        held = self.blocks.positions_held(range(len(positions)))
+        max_len = self.max_len
+        return [row for row, (wanted, have) in enumerate(zip(positions, held)) if min(wanted, max_len) > have]
+
     def commit(self, row: int, tokens: list[int], computed: int) -> None:
         """Row `row`'s KV is computed for its first `computed` positions, `tokens[:computed]`: its full
         blocks among them join the prefix cache."""

@@ -52,6 +52,7 @@ class BlockPool(Protocol):
     def lookup(self, tokens: list[int], known: tuple[bytes, ...] = ()) -> PrefixHit: ...
     def allocate_prompt(self, row: int, tokens: list[int], hit: PrefixHit) -> int: ...
     def allocate(self, row: int, positions: int) -> bool: ...
+    def short_rows(self, positions: list[int]) -> list[int]: ...
     def commit(self, row: int, tokens: list[int], computed: int) -> None: ...
     def free(self, row: int) -> None: ...
     def move(self, src: int, dst: int) -> None: ...
@@ -159,14 +160,11 @@ class Scheduler:
         and the decode queued ahead of the next. When the pool runs dry,
         the newest sequence is preempted until the rest fit (one always does: the pool holds a
         whole context)."""
-        row = 0
-        while row < len(self.running):
-            seq = self.running[row]
-            if self.blocks.allocate(row, seq.length + len(seq.pending_tokens) + 1):
-                row += 1
-                continue
+        while True:
+            wanted = [seq.length + len(seq.pending_tokens) + 1 for seq in self.running]
+            if all(self.blocks.allocate(row, wanted[row]) for row in self.blocks.short_rows(wanted)):
+                return
             self._preempt(self.prefilling or max(self.running, key=lambda s: s.admission))
-            row = 0
 
     def _preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and queue it first, to prefill again what it held (recompute)."""
