@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
 import torch
 
 from llgtrt_core.engine.block_manager import BLOCK_SIZE, SCRATCH_BLOCK, BlockManager, PrefixHit
@@ -190,11 +191,12 @@ class KVCache:
             return
         rows = sorted(self._dirty)
         self._dirty.clear()
-        width = self.max_blocks_per_sequence
-        tables = [self.blocks.blocks(row) for row in rows]
-        flat = [block for table in tables for block in table + [SCRATCH_BLOCK] * (width - len(table))]
+        table = np.full((len(rows), self.max_blocks_per_sequence), SCRATCH_BLOCK, dtype=np.int64)
+        for i, row in enumerate(rows):
+            blocks = self.blocks.blocks(row)
+            table[i, :len(blocks)] = blocks
         device = self.block_table.device
-        self.block_table[int64_to_device(rows, device)] = int64_to_device(flat, device).view(len(rows), width)
+        self.block_table[int64_to_device(rows, device)] = int64_to_device(table, device)
 
     def _follow_growth(self) -> None:
         """Grow the tensors to the block manager's pool (which grows a growable pool on demand)."""
