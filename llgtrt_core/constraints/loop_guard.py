@@ -221,12 +221,14 @@ class EscapeMasks:
             trying = []
             for escape, members in by_class.items():
                 columns = self.class_words[escape]
-                candidates = selected[np.ix_(members, columns)] & self.class_bits[escape]
-                allowed_list = candidates.any(1).tolist()
+                # Indices broadcast by hand: np.ix_ costs more than the few words it reads.
+                candidates = selected[np.array(members)[:, None], columns] & self.class_bits[escape]
+                allowed = candidates.any(1)
+                allowed_list = allowed.tolist()
                 kept = [rows[i] for i, ok in zip(members, allowed_list) if ok]
                 if kept:
                     host[kept] = 0
-                    host[np.ix_(kept, columns)] = candidates[np.array(allowed_list)]
+                    host[np.array(kept)[:, None], columns] = candidates[allowed]
                 for i, ok in zip(members, allowed_list):
                     if ok:
                         narrowed[i] = True
