@@ -261,8 +261,7 @@ class BatchSampler:
 
     def record_forced(self, row: int, token_ids: Sequence[int]) -> None:
         """Count tokens appended to `row` without a draw (a grammar forced them), as if sampled:
-        min_tokens and the penalties see them. Called for every row every step, nearly always
-        with none: that case returns before entering inference mode (~2 us a call)."""
+        min_tokens and the penalties see them. With none, it returns before entering inference mode."""
         if token_ids:
             self._count_forced(row, token_ids)
 

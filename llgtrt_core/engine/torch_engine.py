@@ -518,8 +518,9 @@ class TorchEngine(Engine):
         if reaches_length:
             self._finish(seq, "length", [token], logprobs=logprobs)
             return "length"
+        # Once a step for every row: nothing is called for what only a fast-forwarding row does.
         forced = self.constraints.forced(seq, token, min(sampling.max_tokens - seq.num_generated,
-                                                         self.max_model_len - seq.length - 1))
+                                                         self.max_model_len - seq.length - 1)) if seq.fast_forward else []
         tokens = [token, *forced]
         if logprobs is not None:
             logprobs += self._forced_logprobs(seq, forced)
@@ -531,7 +532,8 @@ class TorchEngine(Engine):
         seq.token_ids += tokens
         seq.pending_tokens = forced if fed else tokens
         seq.length += fed
-        self.sampler.record_forced(row, forced)
+        if forced:
+            self.sampler.record_forced(row, forced)
         if constraint is not None and not seq.fast_forward and not committed:
             seq.uncommitted_token = token
         return None
