@@ -565,3 +565,5 @@ def test_step_log_writes_one_line_per_step(engine_factory, tokenizer, monkeypatc
     assert (lines[0]["prefill"], lines[0]["admitted"], lines[0]["decode"]) == (len(prompt), 1, 0)
     assert all(line["decode"] == 1 and line["prefill"] == 0 for line in lines[1:])
     assert all(line["ms"]["forward"] > 0 for line in lines)
+    # What stalls a whole step: the collector's pauses, the OS taking the engine thread's core.
+    assert all(line["gc_ms"] >= 0 for line in lines) and all(line["preempted"] >= 0 for line in lines[1:])

@@ -10,6 +10,7 @@ ran and each phase's wall ms): the steps of one wave of requests, which means ov
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -64,10 +65,17 @@ class StepPhases:
 
 
 class StepLog:
-    """Appends one JSON object per line to a file, a line at a time (the process may end any time)."""
+    """Appends one JSON object per line to a file, a line at a time (the process may end any time).
+    Each line also says what stalled every phase of the step alike: `gc_ms`, the garbage
+    collector's pauses during it (any thread's collection holds the GIL), and `preempted`, the times
+    the OS took the core from the writing thread (its involuntary context switches; Linux)."""
 
     def __init__(self, path: str) -> None:
         self._file = open(path, "a", buffering=1)
+        self._gc_ms = 0.0
+        self._gc_started: float | None = None
+        gc.callbacks.append(self._on_gc)
+        self._preemptions: int | None = None  # the writing thread's at its last line (the first line: null)
 
     @classmethod
     def from_env(cls) -> "StepLog | None":
@@ -75,7 +83,29 @@ class StepLog:
         return cls(path) if path else None
 
     def write(self, record: dict[str, object]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        preemptions, before = _preemptions(), self._preemptions
+        preempted = None if preemptions is None or before is None else preemptions - before
+        stalls = {"gc_ms": self._gc_ms, "preempted": preempted}
+        self._gc_ms, self._preemptions = 0.0, preemptions
+        self._file.write(json.dumps({**record, **stalls}) + "\n")
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._gc_started = now
+        elif self._gc_started is not None:
+            self._gc_ms += (now - self._gc_started) * 1e3
+            self._gc_started = None
+
+
+def _preemptions() -> int | None:
+    """The calling thread's involuntary context switches so far (None where the OS does not say)."""
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+    except (ImportError, AttributeError, OSError):
+        return None
 
 
 class StepTrace:

@@ -518,9 +518,10 @@ class TorchEngine(Engine):
         if reaches_length:
             self._finish(seq, "length", [token], logprobs=logprobs)
             return "length"
-        # Once a step for every row: nothing is called for what only a fast-forwarding row does.
-        forced = self.constraints.forced(seq, token, min(sampling.max_tokens - seq.num_generated,
-                                                         self.max_model_len - seq.length - 1)) if seq.fast_forward else []
+        forced: list[int] = []  # every row, every step: no call for what only a fast-forwarding row does
+        if seq.fast_forward:
+            forced = self.constraints.forced(seq, token, min(sampling.max_tokens - seq.num_generated,
+                                                             self.max_model_len - seq.length - 1))
         tokens = [token, *forced]
         if logprobs is not None:
             logprobs += self._forced_logprobs(seq, forced)
