@@ -5,7 +5,8 @@ and CPU time is time the thread did not run: waiting for the GPU, for another th
 fill), or for the GIL while another thread of the process held it. Two clock reads per mark
 (~1 us), so it stays on; /v1/engine/stats reports the totals and bench/step_profile.py the
 per-step means of a window. LLGTRT_STEP_LOG=<path> also writes one JSON line per step (what it
-ran and each phase's wall ms): the steps of one wave of requests, which means over a window hide.
+ran, each phase's wall ms, and what stalled the whole step: `StepLog`): the steps of one wave of
+requests, which means over a window hide.
 """
 
 from __future__ import annotations
