@@ -9,6 +9,9 @@ Each wave's window (its start and end by the machine's monotonic clock) picks it
 Per wave: steps, steps that prefilled prompts in a pass (prompt tokens, their wall time), prompts
 that rode a queued decode, the median decode-only step, when the last prompt joined, and each phase's
 wall ms summed over the wave: where a constrained wave spent the time an unconstrained one did not.
+Then, per kind over all its waves, the decode-only steps' distribution: a json_schema cost that lies
+in a tail of slow steps, not in the median, shows there, with the fill waits and, where the log has
+them, the collector's pauses and the engine thread's preemptions in the slow steps (> 2x the median).
 """
 
 from __future__ import annotations
@@ -41,6 +44,26 @@ def wave_summary(steps: list[dict[str, Any]], started: float, ended: float) -> d
             "decode_step_ms_p50": statistics.median(decode_only) if decode_only else float("nan"),
             "last_join_s": (max(joined) - started) if joined else float("nan"),
             "phases_ms": phases}
+
+
+def tail_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The decode-only steps' wall ms (median, mean, p90, p99), their mean fill wait, the share that
+    waited over 1 ms for the fill, and, in the steps over twice the median, the collector's pauses
+    and the engine thread's preemptions (a step log written before those fields: None)."""
+    decode_only = [s for s in steps if not s.get("prefill") and not s.get("riders")]
+    if not decode_only:
+        return {"steps": 0}
+    wall = sorted(sum(s["ms"].values()) for s in decode_only)
+    waits = [s["ms"].get("fill_wait", 0.0) for s in decode_only]
+    median = statistics.median(wall)
+    slow = [s for s in decode_only if sum(s["ms"].values()) > 2 * median]
+    logged = all("gc_ms" in s for s in slow)
+    return {"steps": len(wall), "p50": median, "mean": statistics.mean(wall),
+            "p90": wall[int(0.9 * (len(wall) - 1))], "p99": wall[int(0.99 * (len(wall) - 1))],
+            "fill_wait_mean": statistics.mean(waits), "waited_over_1ms": sum(w > 1.0 for w in waits) / len(waits),
+            "slow_steps": len(slow),
+            "slow_gc_ms": sum(s["gc_ms"] for s in slow) if logged else None,
+            "slow_preempted": sum(s["preempted"] or 0 for s in slow) if logged else None}
 
 
 def result_rows(path: Path, batch: Optional[int]) -> list[dict[str, Any]]:
@@ -85,6 +108,20 @@ def main() -> None:
             print(f"| {label} | {s['seconds']:.2f} | {s['steps']} | {s['prefill_steps']} | {s['prefill_tokens']} | "
                   f"{s['prefill_ms']:.0f} | {s['riders']} | {s['decode_step_ms_p50']:.2f} | {s['last_join_s']:.3f} | "
                   + " | ".join(f"{s['phases_ms'].get(n, 0.0):.0f}" for n in names) + " |")
+        print(f"\nbatch {row['batch']}: decode-only steps of all waves, wall ms")
+        print("| kind | steps | p50 | mean | p90 | p99 | fill wait mean | waited > 1 ms | steps > 2x p50 | "
+              "their GC ms | their preemptions |")
+        print("| --- |" + " ---: |" * 10)
+        for kind in ("unconstrained", "constrained"):
+            mine = [s for k, _, wave in waves(row) if k == kind
+                    for s in steps if wave["started"] <= s["ended"] <= wave["ended"]]
+            t = tail_summary(mine)
+            if t["steps"]:
+                gc_ms = "-" if t["slow_gc_ms"] is None else f"{t['slow_gc_ms']:.0f}"
+                preempted = "-" if t["slow_preempted"] is None else str(t["slow_preempted"])
+                print(f"| {kind} | {t['steps']} | {t['p50']:.2f} | {t['mean']:.2f} | {t['p90']:.2f} | {t['p99']:.2f} | "
+                      f"{t['fill_wait_mean']:.2f} | {t['waited_over_1ms']:.0%} | {t['slow_steps']} | {gc_ms} | "
+                      f"{preempted} |")
 
 
 if __name__ == "__main__":
