@@ -18,6 +18,10 @@ batched fill, in parallel, waits for its slowest row), and how often a row slow 
 (--slow-ms) is slow at its next; the slowest row of the batch proper leaves out the rows of grammars
 the server's probe (--probe-tokens, its walk) marks slow, which it fills apart.
 
+The objects built before the rounds are frozen out of the garbage collector's reach, as the engine
+process does once loaded (`heap.freeze_loaded_objects`); the collections the rounds trigger are
+reported per generation (count a step, total and longest pause): they hold the GIL.
+
     python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3
     python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3 --per-row
 """
@@ -25,6 +29,7 @@ the server's probe (--probe-tokens, its walk) marks slow, which it fills apart.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import sys
@@ -44,10 +49,30 @@ from measure import machine  # noqa: E402
 from slow_masks import compiled, llama3_compiler  # noqa: E402
 
 from llgtrt_core.config import LlguidanceConfig  # noqa: E402
+from llgtrt_core.heap import freeze_loaded_objects  # noqa: E402
 from llgtrt_core.constraints.mask_probe import PROBE_TOKENS, draw_allowed, probe_cost, probe_grammar  # noqa: E402
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor  # noqa: E402
 from llgtrt_core.engine.interface import ConstrainedRow, LoopGuardSettings  # noqa: E402
 from llgtrt_core.engine.torch_engine import GIL_SWITCH_INTERVAL_CUDA_S  # noqa: E402
+
+
+class GcPauses:
+    """The garbage collector's pauses from now on, per generation (a collection holds the GIL)."""
+
+    def __init__(self) -> None:
+        self.pauses: dict[int, list[float]] = {}
+        self._started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses.setdefault(info["generation"], []).append(1e3 * (time.perf_counter() - self._started))
+
+    def report(self, steps: int) -> str:
+        return "; ".join(f"generation {generation}: {len(ms) / steps:.2f} a step, {sum(ms) / steps:.3f} ms a step, "
+                         f"longest {max(ms):.2f} ms" for generation, ms in sorted(self.pauses.items())) or "none"
 
 
 def fill_row_by_row(rows: list[ConstrainedRow], host: torch.Tensor) -> list[float]:
@@ -131,6 +156,8 @@ def main() -> None:
 
     rows = [ConstrainedRow(fresh(), j, None) for j in range(args.rows)]
     lengths = [0] * args.rows
+    freeze_loaded_objects()
+    pauses = GcPauses()
     per_round = []
     for round_ in range(args.rounds):
         processor.phases.totals.clear()
@@ -161,6 +188,7 @@ def main() -> None:
         print(f"round {round_ + 1}: " + ", ".join(f"{name} {wall:.3f} / {cpu:.3f}"
                                                     for name, (wall, cpu) in per_round[-1].items())
               + " ms a step (wall / CPU)", flush=True)
+    print(f"garbage collections in the rounds: {pauses.report(args.steps * args.rounds)}")
     if args.per_row:
         return
     print(f"{len(grammars)} schemas, {args.rows} rows, max_tokens {args.max_tokens}, {args.steps} steps x "
