@@ -29,7 +29,6 @@ reported per generation (count a step, total and longest pause): they hold the G
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import statistics
 import sys
@@ -53,26 +52,13 @@ from llgtrt_core.heap import freeze_loaded_objects  # noqa: E402
 from llgtrt_core.constraints.mask_probe import PROBE_TOKENS, draw_allowed, probe_cost, probe_grammar  # noqa: E402
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor  # noqa: E402
 from llgtrt_core.engine.interface import ConstrainedRow, LoopGuardSettings  # noqa: E402
+from llgtrt_core.engine.step_profile import GcPauses  # noqa: E402
 from llgtrt_core.engine.torch_engine import GIL_SWITCH_INTERVAL_CUDA_S  # noqa: E402
 
 
-class GcPauses:
-    """The garbage collector's pauses from now on, per generation (a collection holds the GIL)."""
-
-    def __init__(self) -> None:
-        self.pauses: dict[int, list[float]] = {}
-        self._started = 0.0
-        gc.callbacks.append(self._on_gc)
-
-    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.pauses.setdefault(info["generation"], []).append(1e3 * (time.perf_counter() - self._started))
-
-    def report(self, steps: int) -> str:
-        return "; ".join(f"generation {generation}: {len(ms) / steps:.2f} a step, {sum(ms) / steps:.3f} ms a step, "
-                         f"longest {max(ms):.2f} ms" for generation, ms in sorted(self.pauses.items())) or "none"
+def gc_report(pauses: GcPauses, steps: int) -> str:
+    return "; ".join(f"generation {generation}: {p.count / steps:.2f} a step, {p.total_ms / steps:.3f} ms a step, "
+                     f"longest {p.longest_ms:.2f} ms" for generation, p in sorted(pauses.by_generation.items())) or "none"
 
 
 def fill_row_by_row(rows: list[ConstrainedRow], host: torch.Tensor) -> list[float]:
@@ -188,7 +174,7 @@ def main() -> None:
         print(f"round {round_ + 1}: " + ", ".join(f"{name} {wall:.3f} / {cpu:.3f}"
                                                     for name, (wall, cpu) in per_round[-1].items())
               + " ms a step (wall / CPU)", flush=True)
-    print(f"garbage collections in the rounds: {pauses.report(args.steps * args.rounds)}")
+    print(f"garbage collections in the rounds: {gc_report(pauses, args.steps * args.rounds)}")
     if args.per_row:
         return
     print(f"{len(grammars)} schemas, {args.rows} rows, max_tokens {args.max_tokens}, {args.steps} steps x "

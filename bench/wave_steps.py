@@ -28,8 +28,13 @@ def read_steps(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in lines if line.strip()]
 
 
+def steps_in(steps: list[dict[str, Any]], started: float, ended: float) -> list[dict[str, Any]]:
+    """The steps that ended inside a wave's window."""
+    return [s for s in steps if started <= s["ended"] <= ended]
+
+
 def wave_summary(steps: list[dict[str, Any]], started: float, ended: float) -> dict[str, Any]:
-    mine = [s for s in steps if started <= s["ended"] <= ended]
+    mine = steps_in(steps, started, ended)
     prefill = [s for s in mine if s.get("prefill")]
     decode_only = [sum(s["ms"].values()) for s in mine if not s.get("prefill") and not s.get("riders")]
     joined = [s["ended"] for s in mine if s.get("admitted") or s.get("riders")]
@@ -113,8 +118,7 @@ def main() -> None:
               "their GC ms | their preemptions |")
         print("| --- |" + " ---: |" * 10)
         for kind in ("unconstrained", "constrained"):
-            mine = [s for k, _, wave in waves(row) if k == kind
-                    for s in steps if wave["started"] <= s["ended"] <= wave["ended"]]
+            mine = [s for k, _, wave in waves(row) if k == kind for s in steps_in(steps, wave["started"], wave["ended"])]
             t = tail_summary(mine)
             if t["steps"]:
                 gc_ms = "-" if t["slow_gc_ms"] is None else f"{t['slow_gc_ms']:.0f}"

@@ -65,6 +65,38 @@ class StepPhases:
                 for name, t in self.totals.items()}
 
 
+@dataclass
+class Pauses:
+    count: int = 0
+    total_ms: float = 0.0
+    longest_ms: float = 0.0
+
+
+class GcPauses:
+    """The garbage collector's pauses from its creation on, per generation: a collection holds the
+    GIL, so it stalls every thread of the process. Totals only: a server runs for days."""
+
+    def __init__(self) -> None:
+        self.by_generation: dict[int, Pauses] = {}
+        self._started: float | None = None
+        gc.callbacks.append(self._on_gc)
+
+    def total_ms(self) -> float:
+        return sum(pauses.total_ms for pauses in self.by_generation.values())
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._started = now
+        elif self._started is not None:
+            ms = (now - self._started) * 1e3
+            pauses = self.by_generation.setdefault(info["generation"], Pauses())
+            pauses.count += 1
+            pauses.total_ms += ms
+            pauses.longest_ms = max(pauses.longest_ms, ms)
+            self._started = None
+
+
 class StepLog:
     """Appends one JSON object per line to a file, a line at a time (the process may end any time).
     Each line also says what stalled every phase of the step alike: `gc_ms`, the garbage
@@ -73,9 +105,8 @@ class StepLog:
 
     def __init__(self, path: str) -> None:
         self._file = open(path, "a", buffering=1)
-        self._gc_ms = 0.0
-        self._gc_started: float | None = None
-        gc.callbacks.append(self._on_gc)
+        self._gc = GcPauses()
+        self._gc_ms = 0.0  # the collector's total at the last line
         self._preemptions: int | None = None  # the writing thread's at its last line (the first line: null)
 
     @classmethod
@@ -86,17 +117,10 @@ class StepLog:
     def write(self, record: dict[str, object]) -> None:
         preemptions, before = _preemptions(), self._preemptions
         preempted = None if preemptions is None or before is None else preemptions - before
-        stalls = {"gc_ms": self._gc_ms, "preempted": preempted}
-        self._gc_ms, self._preemptions = 0.0, preemptions
+        gc_ms = self._gc.total_ms()
+        stalls = {"gc_ms": gc_ms - self._gc_ms, "preempted": preempted}
+        self._gc_ms, self._preemptions = gc_ms, preemptions
         self._file.write(json.dumps({**record, **stalls}) + "\n")
-
-    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
-        now = time.perf_counter()
-        if phase == "start":
-            self._gc_started = now
-        elif self._gc_started is not None:
-            self._gc_ms += (now - self._gc_started) * 1e3
-            self._gc_started = None
 
 
 def _preemptions() -> int | None:
