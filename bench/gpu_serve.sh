@@ -20,6 +20,15 @@ LLGTRT_MODEL=llama3-8b-random LLGTRT_MAX_BATCH_SIZE=${MAX_BATCH:-256} LLGTRT_MAX
     setsid bentoml serve . --host 127.0.0.1 --port 3000 > /tmp/server.log 2>&1 &
 SERVER_GROUP=$!  # `kill -- -$SERVER_GROUP` stops it
 echo $SERVER_GROUP > /tmp/server.pgid
-for _ in $(seq 300); do curl -sf "$SERVER/readyz" > /dev/null && break; sleep 1; done
-curl -sf "$SERVER/readyz" > /dev/null || { tail -50 /tmp/server.log; return 1; }
+# Each API worker answers /readyz for itself and they get ready one by one: one "ready" and the next
+# "not yet" ended a wait early once. Ready: 8 answers in a row (each curl a new connection, any worker).
+READY_IN_A_ROW=0
+for _ in $(seq 600); do
+    if curl -sf "$SERVER/readyz" > /dev/null; then
+        READY_IN_A_ROW=$((READY_IN_A_ROW + 1)); [ $READY_IN_A_ROW -ge 8 ] && break
+    else
+        READY_IN_A_ROW=0; sleep 0.5
+    fi
+done
+[ $READY_IN_A_ROW -ge 8 ] || { tail -50 /tmp/server.log; return 1; }
 echo "server ready: $(date -u +%H:%M:%S)"

@@ -36,10 +36,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
+def cpu_model() -> str:
+    """The host CPU's model name: hosts of one GPU kind differ in it, and host-bound results with it."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+                        platform.processor() or platform.machine())
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
 def machine() -> str:
-    """The host a result came from: name, CPUs, Python, load average."""
+    """The host a result came from: name, CPU model and count, Python, load average."""
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"{platform.node()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+    return (f"{platform.node()}, {cpu_model()}, {os.cpu_count()} CPUs, "
             f"Python {platform.python_version()}, load average {load}")
 
 
