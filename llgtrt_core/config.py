@@ -182,8 +182,8 @@ class LlguidanceConfig:
     grammar_cache_size: int = option(256, "Compiled grammars kept, by grammar text.")
     compile_threads: Optional[int] = option(None, "Threads compiling grammars; null: min(4, cores).")
     mask_threads: Optional[int] = option(None, "Threads committing tokens and computing masks for a step's "
-                                               "constrained rows (llguidance's pool); null: half the cores, "
-                                               "at most 8. Env LLGTRT_MASK_THREADS.")
+                                               "constrained rows (llguidance's pool); null: 80% of the cores, "
+                                               "at most 32. Env LLGTRT_MASK_THREADS.")
     slow_mask_ms: Optional[float] = option(0.5, "A grammar whose masks take this long or more on average (probed "
                                                 "in the background when it is first compiled) has its rows filled "
                                                 "apart from the batch's: steps do not wait for them, and its "

@@ -35,20 +35,11 @@ from llgtrt_core.constraints.grammar import GrammarConstraint, MaskCost
 from llgtrt_core.constraints.loop_guard import EscapeMasks, steer_loops
 from llgtrt_core.engine.interface import ConstrainedRow, Constraint
 from llgtrt_core.engine.step_profile import StepPhases
-from llgtrt_core.engine.torch_engine_config import usable_cores
 from llgtrt_core.kernels import apply_token_bitmask_inplace
 
 logger = logging.getLogger(__name__)
 
 APART_THREADS = 2  # llguidance's pool for the rows filled apart (slow grammars: a few rows at a time)
-MAX_MASK_THREADS = 8
-
-
-def default_mask_threads() -> int:
-    """The batch's fill pool when the config leaves it open: half the cores, at most 8. llguidance's
-    own default (80 % of the cores) left the engine thread, the API workers and the clients too few
-    on a 16-core GPU host: its steps stalled behind the pool's threads (docs/benchmarks/engine.md)."""
-    return max(1, min(MAX_MASK_THREADS, usable_cores() // 2))
 
 
 class MaskPostProcessor:
@@ -56,7 +47,7 @@ class MaskPostProcessor:
 
     def __init__(self, ll_tokenizer: LLTokenizer, max_batch_size: int = 64, num_threads: Optional[int] = None):
         self.vocab_size = ll_tokenizer.vocab_size
-        self.executor = LLExecutor(num_threads or default_mask_threads())
+        self.executor = LLExecutor(num_threads)  # default: 80% of the cores, up to 32
         # The rows filled apart get a pool of their own: a thread of the batch's pool that waits for
         # a stolen job may pick up a slow row's meanwhile, and the batch's fill would wait for it.
         self._apart_executor: Optional[LLExecutor] = None
