@@ -24,8 +24,9 @@
 #   spy     step_profile: 256 closed-loop streams of 64 tokens, a plain window then a constrained one (20 s
 #           each), py-spy sampling the GIL's holders in the server's processes halfway through each
 #           (gil_*.txt, raw stacks: which functions of which thread hold the GIL), and the step's phases
-#   threads batch 256 x 6 rounds on one seed ($SEED, default a random one) against a server restarted for each mask-fill pool
-#           size in $MASK_THREADS_LIST (default "default 12 4"; "default": the server's), each with a step log
+#   threads batch 256 x 6 rounds on one seed ($SEED, default a random one) against a server restarted for
+#           each mask-fill pool size in $MASK_THREADS_LIST (default "default 8 4"; "default": llguidance's),
+#           each with a step log
 # Everything lands in $OUT (the server's log as server.log).
 set -u
 source bench/gpu_serve.sh --no-server || exit 1
@@ -71,7 +72,7 @@ for stage in "$@"; do
             --data $D --py-spy --py-spy-dir $OUT --json $OUT/step_profile.json ;;
     threads)
         SEED=${SEED:-$(random_seed)}
-        for T in ${MASK_THREADS_LIST:-default 12 4}; do
+        for T in ${MASK_THREADS_LIST:-default 8 4}; do
             stop_server
             export LLGTRT_MASK_THREADS=${T#default} LLGTRT_STEP_LOG=$OUT/steps_$T.jsonl
             source bench/gpu_serve.sh || exit 1
