@@ -7,8 +7,11 @@ run bench/constrained_tbt.py --json <out>, then
 
 Each wave's window (its start and end by the machine's monotonic clock) picks its steps from the log.
 Per wave: steps, steps that prefilled prompts in a pass (prompt tokens, their wall time), prompts
-that rode a queued decode, the median decode-only step, when the last prompt joined, and each phase's
-wall ms summed over the wave: where a constrained wave spent the time an unconstrained one did not.
+that rode a queued decode, the median decode-only step, when the last prompt joined, the wall ms of
+the steps until then (admission), the median step after it while 80 % of the wave's rows or more
+decode (steady), the rows' sit-outs (a slow grammar's row whose mask was late) and the steps left to
+5 % of the rows or fewer (stragglers), and each phase's wall ms summed over the wave: where a
+constrained wave spent the time an unconstrained one did not.
 Then, per kind over all its waves, the decode-only steps' distribution: a json_schema cost that lies
 in a tail of slow steps, not in the median, shows there, with the fill waits and, where the log has
 them, the collector's pauses and the engine thread's preemptions in the slow steps (> 2x the median).
@@ -38,6 +41,11 @@ def wave_summary(steps: list[dict[str, Any]], started: float, ended: float) -> d
     prefill = [s for s in mine if s.get("prefill")]
     decode_only = [sum(s["ms"].values()) for s in mine if not s.get("prefill") and not s.get("riders")]
     joined = [s["ended"] for s in mine if s.get("admitted") or s.get("riders")]
+    last_join = max((k for k, s in enumerate(mine) if s.get("admitted") or s.get("riders")), default=-1)
+    peak = max((s["decode"] for s in mine), default=0)
+    # After the last prompt joined, the steps most of the wave's rows decode in, and the steps a few
+    # rows are left to (a slow grammar's rows that sat steps out end last).
+    steady = [sum(s["ms"].values()) for s in mine[last_join + 1:] if s["decode"] >= 0.8 * peak]
     phases: dict[str, float] = {}
     for s in mine:
         for name, ms in s["ms"].items():
@@ -48,6 +56,10 @@ def wave_summary(steps: list[dict[str, Any]], started: float, ended: float) -> d
             "riders": sum(s.get("riders", 0) for s in mine),
             "decode_step_ms_p50": statistics.median(decode_only) if decode_only else float("nan"),
             "last_join_s": (max(joined) - started) if joined else float("nan"),
+            "admission_ms": sum(sum(s["ms"].values()) for s in mine[:last_join + 1]),
+            "steady_step_ms_p50": statistics.median(steady) if steady else float("nan"),
+            "sat_out": sum(s.get("sat_out", 0) for s in mine),
+            "straggler_steps": sum(0 < s["decode"] <= max(1, 0.05 * peak) for s in mine),
             "phases_ms": phases}
 
 
@@ -107,11 +119,13 @@ def main() -> None:
             lines.append((f"{kind[:5]} {index}", summary))
         print(f"\nbatch {row['batch']}: per wave")
         print("| wave | s | steps | prefill steps | prompt tokens | prefill ms | riders | decode step p50 ms | "
-              "last join s | " + " | ".join(f"{n} ms" for n in names) + " |")
-        print("| --- |" + " ---: |" * (8 + len(names)))
+              "last join s | admission ms | steady step p50 ms | sat out | straggler steps | "
+              + " | ".join(f"{n} ms" for n in names) + " |")
+        print("| --- |" + " ---: |" * (12 + len(names)))
         for label, s in lines:
             print(f"| {label} | {s['seconds']:.2f} | {s['steps']} | {s['prefill_steps']} | {s['prefill_tokens']} | "
                   f"{s['prefill_ms']:.0f} | {s['riders']} | {s['decode_step_ms_p50']:.2f} | {s['last_join_s']:.3f} | "
+                  f"{s['admission_ms']:.0f} | {s['steady_step_ms_p50']:.2f} | {s['sat_out']} | {s['straggler_steps']} | "
                   + " | ".join(f"{s['phases_ms'].get(n, 0.0):.0f}" for n in names) + " |")
         print(f"\nbatch {row['batch']}: decode-only steps of all waves, wall ms")
         print("| kind | steps | p50 | mean | p90 | p99 | fill wait mean | waited > 1 ms | steps > 2x p50 | "
