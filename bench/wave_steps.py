@@ -40,7 +40,6 @@ def wave_summary(steps: list[dict[str, Any]], started: float, ended: float) -> d
     mine = steps_in(steps, started, ended)
     prefill = [s for s in mine if s.get("prefill")]
     decode_only = [sum(s["ms"].values()) for s in mine if not s.get("prefill") and not s.get("riders")]
-    joined = [s["ended"] for s in mine if s.get("admitted") or s.get("riders")]
     last_join = max((k for k, s in enumerate(mine) if s.get("admitted") or s.get("riders")), default=-1)
     peak = max((s["decode"] for s in mine), default=0)
     # After the last prompt joined, the steps most of the wave's rows decode in, and the steps a few
@@ -55,7 +54,7 @@ def wave_summary(steps: list[dict[str, Any]], started: float, ended: float) -> d
             "prefill_ms": sum(sum(s["ms"].values()) for s in prefill),
             "riders": sum(s.get("riders", 0) for s in mine),
             "decode_step_ms_p50": statistics.median(decode_only) if decode_only else float("nan"),
-            "last_join_s": (max(joined) - started) if joined else float("nan"),
+            "last_join_s": (mine[last_join]["ended"] - started) if last_join >= 0 else float("nan"),
             "admission_ms": sum(sum(s["ms"].values()) for s in mine[:last_join + 1]),
             "steady_step_ms_p50": statistics.median(steady) if steady else float("nan"),
             "sat_out": sum(s.get("sat_out", 0) for s in mine),
