@@ -154,7 +154,7 @@ class LoopGuardConfig:
     min_repeats: int = option(3, "... and at least this many times.")
     closing_margin: int = option(24, "Steer to the nearest ending the grammar allows once the tokens left of "
                                      "max_tokens are this many (at most a tenth of max_tokens) plus one per "
-                                     "open bracket.")
+                                     "bracket open outside strings.")
 
     def __post_init__(self) -> None:
         if self.min_span < 2 or self.min_repeats < 2:

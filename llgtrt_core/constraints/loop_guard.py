@@ -18,7 +18,7 @@ steered token is taken the guard watches again from scratch.
 What no period check sees (items that differ a little each time, a recursion that opens the same
 object again, a string that never closes, an array of ever new items) is caught by the length
 limit: once the tokens left of `max_tokens` are `closing_margin` (at most a tenth of
-`max_tokens`) plus one per open bracket, every
+`max_tokens`) plus one per bracket open outside strings, every
 step is steered the way a value loop is left, to the nearest ending the grammar allows (close
 the string, then the containers, `,` only where a required key or item must come first), so
 the document closes before the limit. An answer that never repeats that long and ends before
@@ -36,6 +36,7 @@ import torch
 from llgtrt_core.engine.interface import ConstrainedRow, LoopGuardSettings
 
 _WORD_SAMPLE = 16  # mask words tried first when asking whether a row is inside a string
+OUTSIDE, IN_STRING, AFTER_BACKSLASH = 0, 1, 2  # where a JSON text stands, for `EscapeMasks.count_open`
 _PUNCTUATION = frozenset('"{}[],:')  # a period holding one of these repeats JSON items or keys
 _VALUE_ENDERS = frozenset('"]},')  # characters of the tokens that end a value
 _CONTAINER_CLOSERS = frozenset("]}")
@@ -45,7 +46,7 @@ class LoopGuard:
     """One sequence's rolling loop check. Plain state (picklable); `observe` is O(1) amortized."""
 
     __slots__ = ("settings", "tokens", "_last_seen", "_period", "_run", "escaping", "_structural", "_depth",
-                 "_floor", "_seen", "closing", "_open", "_counted", "_check_at")
+                 "_floor", "_seen", "closing", "_open", "_string", "_counted", "_check_at")
 
     def __init__(self, settings: LoopGuardSettings = LoopGuardSettings()) -> None:
         self.settings = settings
@@ -60,7 +61,9 @@ class LoopGuard:
         # both relative to where the loop was found, and the tokens counted in `_depth` so far.
         self._depth = self._floor = self._seen = 0
         self.closing = False  # the length limit is near: every step steers to the nearest ending
-        self._open, self._counted = 0, 0  # brackets open over all tokens, from the first `_counted`
+        # Brackets open outside strings over the first `_counted` tokens, and where those end
+        # (`EscapeMasks.count_open`'s state: outside a string, inside, inside after a backslash).
+        self._open, self._string, self._counted = 0, OUTSIDE, 0
         self._check_at = 0  # `near_limit` is False for fewer tokens than this (known without counting)
 
     def observe(self, token: int) -> None:
@@ -104,7 +107,7 @@ class LoopGuard:
             # for the next ceil(room / (1 + most_opened)) - 1 tokens at least.
             self._check_at = len(self.tokens) + -(-room // (1 + escapes.most_opened))
             return False
-        self._open += sum(escapes.depth_delta[t] for t in self.tokens[self._counted:])
+        self._open, self._string = escapes.count_open(self.tokens[self._counted:], self._open, self._string)
         self._counted = len(self.tokens)
         self.closing = left <= margin + max(self._open, 0)
         return self.closing
@@ -166,10 +169,12 @@ class EscapeMasks:
         string_enders = [t for t, text in enumerate(stripped)
                          if text[:1] == '"' and _made_of(text[1:], _VALUE_ENDERS - {'"'})]
         value_enders = [t for t, text in enumerate(stripped) if text and _made_of(text, _VALUE_ENDERS - {'"'})]
-        # Brackets opened minus closed by each token (inside strings too: close enough for a loop).
+        # Brackets opened minus closed by each token (inside strings too: close enough for a loop;
+        # the length limit counts outside strings, `count_open`).
         self.depth_delta = [text.count("{") + text.count("[") - text.count("}") - text.count("]")
                             for text in token_texts]
-        self.most_opened = max(max(self.depth_delta, default=0), 0)  # brackets one token may open, at most
+        # Brackets one token may open, at most (outside a string or after closing one).
+        self.most_opened = max((text.count("{") + text.count("[") for text in token_texts), default=0)
         self.words = _mask_row([t for t, text in enumerate(token_texts) if _is_word(text)], words)
         # The mask words holding the most word tokens: a row inside a string allows one of them
         # unless a pattern narrows its words, so most rows are settled without reading the rest.
@@ -188,6 +193,30 @@ class EscapeMasks:
     @classmethod
     def for_tokenizer(cls, ll_tokenizer, words: int) -> "EscapeMasks":
         return cls(token_texts(ll_tokenizer), ll_tokenizer.eos_tokens, words)
+
+    def count_open(self, tokens: Sequence[int], depth: int, state: int) -> tuple[int, int]:
+        """`depth` plus the brackets `tokens` open minus those they close outside JSON strings, and
+        the state after them, from `state`. The length limit's count: a `}` a model writes inside a
+        string closes nothing, and counted as closed it left the answer no room to finish."""
+        for token in tokens:
+            text = self._texts[token] if token < len(self._texts) else ""
+            if state == OUTSIDE and '"' not in text:
+                depth += self.depth_delta[token] if text else 0  # no text: a token past the texts
+                continue
+            if state == IN_STRING and '"' not in text and "\\" not in text:
+                continue
+            for char in text:
+                if state == AFTER_BACKSLASH:
+                    state = IN_STRING
+                elif state == IN_STRING:
+                    state = OUTSIDE if char == '"' else AFTER_BACKSLASH if char == "\\" else IN_STRING
+                elif char == '"':
+                    state = IN_STRING
+                elif char in "{[":
+                    depth += 1
+                elif char in "}]":
+                    depth -= 1
+        return depth, state
 
     def is_structural(self, tokens: Sequence[int]) -> bool:
         return any(_PUNCTUATION & set(self._texts[t]) for t in tokens if t < len(self._texts))

@@ -32,8 +32,8 @@ class LoopGuardSettings:
     min_span: int = 32  # the periodic tail covers at least this many tokens
     min_repeats: int = 3  # ... and at least this many periods
     # Steer to the nearest ending once the tokens left (of max_tokens) are this many (at most a
-    # tenth of max_tokens) plus one per open bracket, so the document closes before the length
-    # limit; max_tokens None: no limit known.
+    # tenth of max_tokens) plus one per bracket open outside strings, so the document closes before
+    # the length limit; max_tokens None: no limit known.
     closing_margin: int = 24
     max_tokens: Optional[int] = None
 
