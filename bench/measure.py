@@ -40,10 +40,12 @@ def cpu_model() -> str:
     """The host CPU's model name: hosts of one GPU kind differ in it, and host-bound results with it."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
-                        platform.processor() or platform.machine())
-    except OSError:
-        return platform.processor() or platform.machine()
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:  # not Linux
+        pass
+    return platform.processor() or platform.machine()
 
 
 def machine() -> str:

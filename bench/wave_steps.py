@@ -36,26 +36,36 @@ def steps_in(steps: list[dict[str, Any]], started: float, ended: float) -> list[
     return [s for s in steps if started <= s["ended"] <= ended]
 
 
+def wall_ms(step: dict[str, Any]) -> float:
+    """A step's wall time: the sum of its phases."""
+    return sum(step["ms"].values())
+
+
+def decode_only(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps that prefilled no prompt, in a pass or riding the decode."""
+    return [s for s in steps if not s.get("prefill") and not s.get("riders")]
+
+
 def wave_summary(steps: list[dict[str, Any]], started: float, ended: float) -> dict[str, Any]:
     mine = steps_in(steps, started, ended)
     prefill = [s for s in mine if s.get("prefill")]
-    decode_only = [sum(s["ms"].values()) for s in mine if not s.get("prefill") and not s.get("riders")]
+    decoding = [wall_ms(s) for s in decode_only(mine)]
     last_join = max((k for k, s in enumerate(mine) if s.get("admitted") or s.get("riders")), default=-1)
     peak = max((s["decode"] for s in mine), default=0)
     # After the last prompt joined, the steps most of the wave's rows decode in, and the steps a few
     # rows are left to (a slow grammar's rows that sat steps out end last).
-    steady = [sum(s["ms"].values()) for s in mine[last_join + 1:] if s["decode"] >= 0.8 * peak]
+    steady = [wall_ms(s) for s in mine[last_join + 1:] if s["decode"] >= 0.8 * peak]
     phases: dict[str, float] = {}
     for s in mine:
         for name, ms in s["ms"].items():
             phases[name] = phases.get(name, 0.0) + ms
     return {"seconds": ended - started, "steps": len(mine), "prefill_steps": len(prefill),
             "prefill_tokens": sum(s["prefill"] for s in prefill),
-            "prefill_ms": sum(sum(s["ms"].values()) for s in prefill),
+            "prefill_ms": sum(wall_ms(s) for s in prefill),
             "riders": sum(s.get("riders", 0) for s in mine),
-            "decode_step_ms_p50": statistics.median(decode_only) if decode_only else float("nan"),
+            "decode_step_ms_p50": statistics.median(decoding) if decoding else float("nan"),
             "last_join_s": (mine[last_join]["ended"] - started) if last_join >= 0 else float("nan"),
-            "admission_ms": sum(sum(s["ms"].values()) for s in mine[:last_join + 1]),
+            "admission_ms": sum(wall_ms(s) for s in mine[:last_join + 1]),
             "steady_step_ms_p50": statistics.median(steady) if steady else float("nan"),
             "sat_out": sum(s.get("sat_out", 0) for s in mine),
             "straggler_steps": sum(0 < s["decode"] <= max(1, 0.05 * peak) for s in mine),
@@ -66,13 +76,13 @@ def tail_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """The decode-only steps' wall ms (median, mean, p90, p99), their mean fill wait, the share that
     waited over 1 ms for the fill, and, in the steps over twice the median, the collector's pauses
     and the engine thread's preemptions (a step log written before those fields: None)."""
-    decode_only = [s for s in steps if not s.get("prefill") and not s.get("riders")]
-    if not decode_only:
+    decoding = decode_only(steps)
+    if not decoding:
         return {"steps": 0}
-    wall = sorted(sum(s["ms"].values()) for s in decode_only)
-    waits = [s["ms"].get("fill_wait", 0.0) for s in decode_only]
+    wall = sorted(wall_ms(s) for s in decoding)
+    waits = [s["ms"].get("fill_wait", 0.0) for s in decoding]
     median = statistics.median(wall)
-    slow = [s for s in decode_only if sum(s["ms"].values()) > 2 * median]
+    slow = [s for s in decoding if wall_ms(s) > 2 * median]
     logged = all("gc_ms" in s for s in slow)
     return {"steps": len(wall), "p50": median, "mean": statistics.mean(wall),
             "p90": wall[int(0.9 * (len(wall) - 1))], "p99": wall[int(0.99 * (len(wall) - 1))],
