@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import gc
 
+# The engine process's young-generation threshold (CPython's default: 700 container objects made and
+# not yet freed). A step at batch 256 holds more than that for a while (each row's delta, and with
+# constraints the constraint stage's rows and llguidance's argument tuples), so at the default a
+# young collection (0.2-0.5 ms, holding the GIL: every thread of the process stops) ran in two steps
+# of three of a json_schema wave (docs/benchmarks/engine.md, session 24). At this threshold one runs
+# when about a wave's requests' state has piled up.
+ENGINE_YOUNG_THRESHOLD = 10_000
+
 
 def freeze_loaded_objects() -> None:
     """Collect the loading's garbage, then move every object left (imports, tokenizer, model, caches
@@ -12,3 +20,10 @@ def freeze_loaded_objects() -> None:
     times a minute under load (docs/benchmarks/engine.md, session 11). They live until exit anyway."""
     gc.collect()
     gc.freeze()
+
+
+def collect_young_less_often(threshold: int = ENGINE_YOUNG_THRESHOLD) -> None:
+    """Collect the young generation once `threshold` container objects are alive since the last
+    collection (the older generations' thresholds, which count collections, are kept)."""
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(threshold, middle, old)

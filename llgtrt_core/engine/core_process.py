@@ -31,7 +31,7 @@ from llgtrt_core.constraints.postprocessor import MaskPostProcessor
 from llgtrt_core.engine.core_protocol import CoreSpec, delta_row
 from llgtrt_core.engine.interface import EngineError, GenerationRequest, SamplingParams, TokenDelta
 from llgtrt_core.engine.torch_engine import TorchEngine
-from llgtrt_core.heap import freeze_loaded_objects
+from llgtrt_core.heap import collect_young_less_often, freeze_loaded_objects
 from llgtrt_core.kernels import cuda_kernel_available
 from llgtrt_core.tokenizer import Tokenizer
 
@@ -95,6 +95,7 @@ class EngineCore:
             self.owner.send(("failed", f"{type(e).__name__}: {e}"))
             return
         freeze_loaded_objects()
+        collect_young_less_often()
         ready = ("ready", self.engine.vocab_size, self.engine.max_model_len)
         self.owner.send(ready)
         listener = self._listen(ready) if self.spec.listen_path else None
