@@ -57,7 +57,7 @@ def create_app(get_runtime: Callable[[], Optional[ModelRuntime]], config: Server
     install_error_handlers(app)
     responses_api = ResponsesAPI(_response_store(config))
 
-    def runtime() -> ModelRuntime:
+    async def runtime() -> ModelRuntime:  # async: FastAPI runs a plain function on a thread pool, a hop per request
         try:
             loaded = get_runtime()
         except Exception as e:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
 
 import pydantic
 from fastapi import Request
@@ -37,7 +37,7 @@ from llgtrt_core.runtime import ModelRuntime
 from llgtrt_core.stop_strings import StopStringMatcher
 from llgtrt_core.tools import ArgumentsDelta, CallStart, ContentDelta
 
-GetRuntime = Callable[[], ModelRuntime]
+GetRuntime = Callable[[], Awaitable[ModelRuntime]]
 _EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}  # -> reasoning_effort
 
 
@@ -55,7 +55,7 @@ def _message(error: APIError) -> str:
 async def create_message(raw_request: Request, get_runtime: GetRuntime) -> Response:
     try:
         request = await _parsed(raw_request, MessagesRequest)
-        runtime = get_runtime()
+        runtime = await get_runtime()
         plan = await plan_chat(_chat_request(request), runtime)
         writer = _MessagesWriter(plan, runtime, request)
         return await serve(raw_request, runtime, plan.request, [plan.prompt_ids], writer.message.id, writer,
@@ -68,7 +68,7 @@ async def count_tokens(raw_request: Request, get_runtime: GetRuntime) -> Respons
     """The prompt's tokens as /v1/messages would render it (tools and template switches included)."""
     try:
         request = await _parsed(raw_request, CountTokensRequest)
-        runtime = get_runtime()
+        runtime = await get_runtime()
         chat = with_template_switch(_chat_request(request))
         check_request(chat, runtime)
         prompt_ids = await chat_prompt_ids(chat, runtime, request_tool_plan(chat, runtime))
