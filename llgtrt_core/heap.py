@@ -5,11 +5,10 @@ from __future__ import annotations
 import gc
 
 # The engine process's young-generation threshold (CPython's default: 700 container objects made and
-# not yet freed). A step at batch 256 holds more than that for a while (each row's delta, and with
-# constraints the constraint stage's rows and llguidance's argument tuples), so at the default a
-# young collection (0.2-0.5 ms, holding the GIL: every thread of the process stops) ran in two steps
-# of three of a json_schema wave (docs/benchmarks/engine.md, session 24). At this threshold one runs
-# when about a wave's requests' state has piled up.
+# not yet freed). A step at batch 256 holds more than 700 for a while (each row's delta; with
+# constraints, the constraint stage's rows and llguidance's argument tuples), so at the default a
+# collection, which stops every thread of the process, ran in most json_schema steps
+# (docs/benchmarks/engine.md, session 24).
 ENGINE_YOUNG_THRESHOLD = 10_000
 
 
