@@ -17,8 +17,8 @@ _LOW = rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}"
 # A high surrogate escape not followed by a low one, or a low one not preceded by a high one (an
 # escaped backslash before `u` can match too: the decoded check below settles it).
 _LONE_SURROGATE_ESCAPE = re.compile(_HIGH + b"(?!" + _LOW + b")|(?<!" + _HIGH + b")" + _LOW)
-# Any surrogate escape, high or low: with its literal start the scan is ~40x faster than the lookbehind
-# above, which runs only for a body that has one (a 4 KB json_schema body: 0.07 -> 0.002 ms).
+# Any surrogate escape, high or low. Its literal start makes this scan fast, so the pattern above, tried
+# at every byte for its lookbehind, runs only on a body that has one.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
