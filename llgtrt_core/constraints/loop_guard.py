@@ -45,8 +45,8 @@ _CONTAINER_CLOSERS = frozenset("]}")
 class LoopGuard:
     """One sequence's rolling loop check. Plain state (picklable); `observe` is O(1) amortized."""
 
-    __slots__ = ("settings", "tokens", "_last_seen", "_period", "_run", "escaping", "_structural", "_depth",
-                 "_floor", "_seen", "closing", "_open", "_string", "_counted", "_check_at")
+    __slots__ = ("settings", "tokens", "_last_seen", "_period", "_run", "_needed", "escaping", "_structural",
+                 "_depth", "_floor", "_seen", "closing", "_open", "_string", "_counted", "_check_at")
 
     def __init__(self, settings: LoopGuardSettings = LoopGuardSettings()) -> None:
         self.settings = settings
@@ -54,6 +54,7 @@ class LoopGuard:
         self._last_seen: dict[int, int] = {}  # token -> its latest position
         self._period = 0  # candidate period of the current run (0: none)
         self._run = 0  # tokens in a row equal to the one `_period` back
+        self._needed = settings.min_span  # the run that makes a loop of the candidate period
         self.escaping = False  # a loop was found and no steered token was taken yet
         # The loop repeats items or keys (its period holds JSON punctuation); None: not decided yet.
         self._structural: Optional[bool] = None
@@ -67,20 +68,35 @@ class LoopGuard:
         self._check_at = 0  # `near_limit` is False for fewer tokens than this (known without counting)
 
     def observe(self, token: int) -> None:
-        position = len(self.tokens)
+        tokens = self.tokens
+        position = len(tokens)
         period = self._period
-        if period and self.tokens[position - period] == token:
+        if period and tokens[position - period] == token:
             self._run += 1
-        else:
+        else:  # a new candidate period: the run it needs is worked out once, not at every token
             previous = self._last_seen.get(token)
-            self._period = 0 if previous is None else position - previous
-            self._run = 0 if previous is None else 1
+            if previous is None:
+                self._period = self._run = 0
+                self._needed = self.settings.min_span
+            else:
+                self._period = period = position - previous
+                self._run = 1
+                self._needed = max(self.settings.min_span - period, (self.settings.min_repeats - 1) * period)
         self._last_seen[token] = position
-        self.tokens.append(token)
-        if not self.escaping and self._run >= max(self.settings.min_span - self._period,
-                                                  (self.settings.min_repeats - 1) * self._period):
+        tokens.append(token)
+        if self._run >= self._needed and not self.escaping:
             self.escaping = True
             self._structural = None  # decided by `steering`, which knows the token texts
+
+    def steers(self, token: Optional[int], escapes: "EscapeMasks") -> bool:
+        """Observe the step's committed token (None: none) and say whether this step steers the
+        row's mask: it escapes a loop or is near its limit. A row far from both (most rows, most
+        steps) costs this one call."""
+        if token is not None:
+            self.observe(token)
+        if self.closing or len(self.tokens) >= self._check_at:
+            return self.near_limit(escapes) or self.escaping  # the limit first: an escape may never end
+        return self.escaping
 
     def observe_all(self, tokens: Sequence[int]) -> None:
         for token in tokens:
@@ -183,11 +199,12 @@ class EscapeMasks:
         string_closers = [t for t in string_enders if _CONTAINER_CLOSERS & set(stripped[t])]
         container_closers = [*(t for t in value_enders if "," not in stripped[t]), *eos_tokens]
         # The escape classes by index, in the orders `_classes_to_try` gives: each a few dozen
-        # tokens, kept as the mask words that hold them and those words' bits.
-        classes = [_mask_row(container_closers, words), _mask_row([*value_enders, *eos_tokens], words),
-                   _mask_row(string_closers, words), _mask_row(string_enders, words)]
-        self.class_words = [np.flatnonzero(row) for row in classes]
-        self.class_bits = [row[columns] for row, columns in zip(classes, self.class_words)]
+        # tokens. Kept as the mask words that hold any of them (`class_words`) and, per class, its
+        # bits in those words (`class_bits`, one row a class): one array op tests every class.
+        classes = np.stack([_mask_row(container_closers, words), _mask_row([*value_enders, *eos_tokens], words),
+                            _mask_row(string_closers, words), _mask_row(string_enders, words)])
+        self.class_words = np.flatnonzero(classes.any(0))
+        self.class_bits = classes[:, self.class_words]
         self._string_order, self._container_order, self._value_loop_order = (2, 3), (0,), (0, 1, 2, 3)
 
     @classmethod
@@ -223,10 +240,10 @@ class EscapeMasks:
 
     def narrow(self, masks: torch.Tensor, rows: Sequence[int], structural: Sequence[bool]) -> list[bool]:
         """Narrow each host mask masks[rows[i]] in place to the first escape class the grammar
-        allows a token of there; whether it was. One batch of array ops per class tried, over all
-        the rows trying it, on the few mask words a class holds: near the length limit every row
-        steers every step. numpy, single-threaded: a torch op this large would start an OpenMP
-        team, which stalls at its barrier on cores the mask fill's threads hold."""
+        allows a token of there; whether it was. One batch of array ops over all the rows and every
+        class, on the few mask words the classes hold: near the length limit every row steers every
+        step. numpy, single-threaded: a torch op this large would start an OpenMP team, which stalls
+        at its barrier on cores the mask fill's threads hold."""
         host = masks.numpy()
         rows = list(rows)
         # A run of rows is a view. The words test reads a sample of each mask first, the newline
@@ -241,28 +258,19 @@ class EscapeMasks:
                 free_text[i] = free
         orders = [self._classes_to_try(string, free, loop_over_items)
                   for string, free, loop_over_items in zip(in_string, free_text, structural)]
-        narrowed = [False] * len(rows)
-        trying = [i for i, order in enumerate(orders) if order]
-        for depth in range(len(self._value_loop_order)):
-            by_class: dict[int, list[int]] = {}
-            for i in trying:
-                by_class.setdefault(orders[i][depth], []).append(i)
-            trying = []
-            for escape, members in by_class.items():
-                columns = self.class_words[escape]
-                # Indices broadcast by hand: np.ix_ costs more than the few words it reads.
-                candidates = selected[np.array(members)[:, None], columns] & self.class_bits[escape]
-                allowed = candidates.any(1)
-                allowed_list = allowed.tolist()
-                kept = [rows[i] for i, ok in zip(members, allowed_list) if ok]
-                if kept:
-                    host[kept] = 0
-                    host[np.array(kept)[:, None], columns] = candidates[allowed]
-                for i, ok in zip(members, allowed_list):
-                    if ok:
-                        narrowed[i] = True
-                    elif depth + 1 < len(orders[i]):
-                        trying.append(i)
+        # Per row and class, whether the mask allows a token of it: one AND over the classes' words.
+        words = selected[:, self.class_words]
+        allows = np.bitwise_and(words[:, None, :], self.class_bits).any(2).tolist()
+        chosen = [next((escape for escape in order if row_allows[escape]), None)
+                  for order, row_allows in zip(orders, allows)]
+        narrowed = [escape is not None for escape in chosen]
+        steered = [i for i, escape in enumerate(chosen) if escape is not None]
+        if steered:
+            # Every read is done: `selected` may be a view of the rows written now.
+            kept = np.array([rows[i] for i in steered])
+            kept_words = words[steered] & self.class_bits[[chosen[i] for i in steered]]
+            host[kept] = 0
+            host[kept[:, None], self.class_words] = kept_words
         return narrowed
 
     def _classes_to_try(self, in_string: bool, free_text: bool, loop_over_items: bool) -> tuple[int, ...]:
@@ -287,15 +295,13 @@ def steer_loops(rows: Sequence[ConstrainedRow], masks: torch.Tensor, escapes: Es
     batch. A row without a guard costs one lookup."""
     steering: list[tuple[int, LoopGuard, bool]] = []  # (mask row, guard, loop over items or keys)
     for j, row in enumerate(rows):
-        guard = row.constraint.loop_guard  # type: ignore[attr-defined]
-        if guard is None or row.constraint.error is not None:
+        constraint = row.constraint
+        guard = constraint.loop_guard  # type: ignore[attr-defined]
+        if guard is None or constraint.error is not None or not guard.steers(row.new_token, escapes):
             continue
-        if row.new_token is not None:
-            guard.observe(row.new_token)
-        if guard.near_limit(escapes) or guard.escaping:  # the limit first: an escape may never end
-            structural = guard.steering(escapes)
-            if structural is not None:
-                steering.append((j, guard, structural))
+        structural = guard.steering(escapes)
+        if structural is not None:
+            steering.append((j, guard, structural))
     if not steering:
         return
     narrowed = escapes.narrow(masks, [j for j, _, _ in steering], [structural for _, _, structural in steering])
