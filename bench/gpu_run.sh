@@ -36,8 +36,11 @@ D=.serve_whl/maskbench_pool.jsonl.gz
 stolen_s() { awk '/^cpu /{printf "%.1f", $9 / 100}' /proc/stat; }  # the host's CPU seconds the hypervisor took
 random_seed() { python3 -c 'import random; print(random.randrange(2**31))'; }  # one draw for runs to compare
 stop_server() {  # this call's server or an earlier call's (its KV cache holds most of the GPU's memory)
-    local group=${SERVER_GROUP:-$(cat /tmp/server.pgid 2>/dev/null)}
+    # The last one started, whichever shell started it: $SERVER_GROUP is this shell's, and a base
+    # tree's server (ab) starts in a subshell, so it once named a server already stopped.
+    local group=$(cat /tmp/server.pgid 2>/dev/null)
     if [ -n "$group" ]; then kill -- -$group 2>/dev/null; fi
+    rm -f /tmp/server.pgid
     # The API workers and the engine process have process groups of their own and outlive the
     # arbiter by seconds: a benchmark started beside a dying engine process measured 22k tok/s, not 27k.
     for _ in $(seq 60); do pgrep -f "llgtrt_core.engine.core_process|_bentoml_impl.worker" > /dev/null || break; sleep 1; done
@@ -92,7 +95,8 @@ for stage in "$@"; do
             RUN=$((RUN + 1))
             stop_server
             if [ $TREE = base ]; then (cd .serve_whl/base && source ../../bench/gpu_serve.sh) || exit 1; else serve; fi
-            echo "-- $TREE ($([ $TREE = base ] && cat .serve_whl/base/REVISION || echo working tree))"
+            echo "-- $TREE ($([ $TREE = base ] && cat .serve_whl/base/REVISION || echo working tree)), served from" \
+                "$(readlink /proc/$(cat /tmp/server.pgid)/cwd)"
             python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 3 --max-tokens 64 --seed $SEED \
                 --data $D --json $OUT/constrained_tbt_ab${RUN}_$TREE.json | grep -v "^|"
         done ;;
