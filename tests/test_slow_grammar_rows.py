@@ -4,7 +4,7 @@ llguidance, every request's greedy tokens are the same as when the step waits fo
 the request's penalties, with and without overlapped steps.
 
 Whether a real grammar's mask misses its step depends on the machine; `LateMaskPostProcessor`
-makes it certain: the real post-processor, whose fills apart end 150 ms late.
+makes it certain: the real post-processor, whose fills apart end only after the step they serve.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -25,14 +26,20 @@ from llgtrt_core.tokenizer import Tokenizer
 
 from test_fast_forward import SCHEMA, chat_prompt, greedy, ll_tokenizer, tokenizer  # noqa: F401 (fixtures)
 
-LATE_S = 0.15  # longer than a CPU forward pass of the three rows
-
 
 class LateMaskPostProcessor(MaskPostProcessor):
-    """The real post-processor; its fills apart (a slow grammar's rows) end LATE_S late."""
+    """The real post-processor; each of its fills apart (a slow grammar's rows) ends once the engine
+    has begun two more steps, so the step it serves draws without it, however long a step takes on
+    this machine (a fixed 150 ms delay stopped being late on a VM whose CPU steps took 180 ms). While
+    only slow rows run, the step waits for it: it ends at once."""
+
+    engine: Optional[TorchEngine] = None
 
     def fill_apart(self, rows):
-        time.sleep(LATE_S)
+        started = self.engine.num_steps
+        while self.engine.num_steps < started + 2 and any(
+                not self.fills_apart(seq.request.constraint) for seq in list(self.engine.scheduler.running)):
+            time.sleep(0.002)
         return super().fill_apart(rows)
 
 
@@ -44,9 +51,11 @@ def run(stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer, slow: bool, 
 
     async def generate():
         compiler = GrammarCompiler(ll_tokenizer)
+        processor = LateMaskPostProcessor(ll_tokenizer, max_batch_size=4)
         engine = TorchEngine(stored_model_dir, TorchEngineConfig(device="cpu", dtype="float32", max_batch_size=4,
                                                                  fast_forward=False, overlap_steps=overlap_steps),
-                             LateMaskPostProcessor(ll_tokenizer, max_batch_size=4))
+                             processor)
+        processor.engine = engine
         await engine.start()
         try:
             compiled = await compiler.compile(json_schema_grammar(SCHEMA))
