@@ -90,13 +90,10 @@ class LoopGuard:
 
     def steers(self, token: Optional[int], escapes: "EscapeMasks") -> bool:
         """Observe the step's committed token (None: none) and say whether this step steers the
-        row's mask: it escapes a loop or is near its limit. A row far from both (most rows, most
-        steps) costs this one call."""
+        row's mask: it escapes a loop or is near its limit."""
         if token is not None:
             self.observe(token)
-        if self.closing or len(self.tokens) >= self._check_at:
-            return self.near_limit(escapes) or self.escaping  # the limit first: an escape may never end
-        return self.escaping
+        return self.near_limit(escapes) or self.escaping  # the limit first: an escape may never end
 
     def observe_all(self, tokens: Sequence[int]) -> None:
         for token in tokens:
