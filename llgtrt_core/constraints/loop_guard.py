@@ -45,8 +45,8 @@ _CONTAINER_CLOSERS = frozenset("]}")
 class LoopGuard:
     """One sequence's rolling loop check. Plain state (picklable); `observe` is O(1) amortized."""
 
-    __slots__ = ("settings", "tokens", "_last_seen", "_period", "_run", "_needed", "escaping", "_structural",
-                 "_depth", "_floor", "_seen", "closing", "_open", "_string", "_counted", "_check_at")
+    __slots__ = ("settings", "tokens", "_last_seen", "_period", "_run", "escaping", "_structural", "_depth",
+                 "_floor", "_seen", "closing", "_open", "_string", "_counted", "_check_at")
 
     def __init__(self, settings: LoopGuardSettings = LoopGuardSettings()) -> None:
         self.settings = settings
@@ -54,7 +54,6 @@ class LoopGuard:
         self._last_seen: dict[int, int] = {}  # token -> its latest position
         self._period = 0  # candidate period of the current run (0: none)
         self._run = 0  # tokens in a row equal to the one `_period` back
-        self._needed = settings.min_span  # the run that makes a loop of the candidate period
         self.escaping = False  # a loop was found and no steered token was taken yet
         # The loop repeats items or keys (its period holds JSON punctuation); None: not decided yet.
         self._structural: Optional[bool] = None
@@ -68,23 +67,18 @@ class LoopGuard:
         self._check_at = 0  # `near_limit` is False for fewer tokens than this (known without counting)
 
     def observe(self, token: int) -> None:
-        tokens = self.tokens
-        position = len(tokens)
+        position = len(self.tokens)
         period = self._period
-        if period and tokens[position - period] == token:
+        if period and self.tokens[position - period] == token:
             self._run += 1
-        else:  # a new candidate period: the run it needs is worked out once, not at every token
+        else:
             previous = self._last_seen.get(token)
-            if previous is None:
-                self._period = self._run = 0
-                self._needed = self.settings.min_span
-            else:
-                self._period = period = position - previous
-                self._run = 1
-                self._needed = max(self.settings.min_span - period, (self.settings.min_repeats - 1) * period)
+            self._period = 0 if previous is None else position - previous
+            self._run = 0 if previous is None else 1
         self._last_seen[token] = position
-        tokens.append(token)
-        if self._run >= self._needed and not self.escaping:
+        self.tokens.append(token)
+        if not self.escaping and self._run >= max(self.settings.min_span - self._period,
+                                                  (self.settings.min_repeats - 1) * self._period):
             self.escaping = True
             self._structural = None  # decided by `steering`, which knows the token texts
 
