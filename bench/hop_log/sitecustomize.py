@@ -122,9 +122,9 @@ if HOP_DIR:
 
         steer = module.steer_loops
 
-        def steer_(rows, masks, escapes):
+        def steer_(rows, masks, steering, escapes):
             t = time.perf_counter()
-            steer(rows, masks, escapes)
+            steer(rows, masks, steering, escapes)
             if len(rows) >= 64:
                 stats["steer"].append(time.perf_counter() - t)
 

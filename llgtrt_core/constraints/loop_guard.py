@@ -280,11 +280,14 @@ def token_texts(ll_tokenizer) -> list[str]:
     return [ll_tokenizer.decode_bytes([t]).decode("utf-8", errors="replace") for t in range(ll_tokenizer.vocab_size)]
 
 
-def steer_loops(rows: Sequence[ConstrainedRow], masks: torch.Tensor, escapes: EscapeMasks) -> None:
-    """After a step's fill: each guarded row observes the token it committed, and the host masks
-    (masks[j] for rows[j]) of the rows escaping a loop or near their limit are steered, in one
-    batch. A row without a guard costs one lookup."""
-    steering: list[tuple[int, LoopGuard, bool]] = []  # (mask row, guard, loop over items or keys)
+Steering = list[tuple[int, LoopGuard, bool]]  # (index in the step's rows, its guard, loop over items or keys)
+
+
+def loop_steering(rows: Sequence[ConstrainedRow], escapes: EscapeMasks) -> Steering:
+    """Each guarded row observes the token it committed; the rows whose masks this step steers
+    (escaping a loop or near their limit). It reads no mask, so the fill runs it while llguidance
+    computes the masks. A row without a guard costs one lookup."""
+    steering: Steering = []
     for j, row in enumerate(rows):
         constraint = row.constraint
         guard = constraint.loop_guard  # type: ignore[attr-defined]
@@ -293,6 +296,13 @@ def steer_loops(rows: Sequence[ConstrainedRow], masks: torch.Tensor, escapes: Es
         structural = guard.steering(escapes)
         if structural is not None:
             steering.append((j, guard, structural))
+    return steering
+
+
+def steer_loops(rows: Sequence[ConstrainedRow], masks: torch.Tensor, steering: Steering, escapes: EscapeMasks) -> None:
+    """Steer the host masks (masks[j] for rows[j]) of `loop_steering`'s rows, in one batch; not
+    those of rows that failed since (their mask allows EOS only)."""
+    steering = [entry for entry in steering if rows[entry[0]].constraint.error is None]
     if not steering:
         return
     narrowed = escapes.narrow(masks, [j for j, _, _ in steering], [structural for _, _, structural in steering])

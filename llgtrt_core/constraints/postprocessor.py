@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional, Sequence
 
 import torch
@@ -32,7 +33,7 @@ from llguidance.torch import allocate_token_bitmask
 
 from llgtrt_core import metrics
 from llgtrt_core.constraints.grammar import GrammarConstraint, MaskCost
-from llgtrt_core.constraints.loop_guard import EscapeMasks, steer_loops
+from llgtrt_core.constraints.loop_guard import EscapeMasks, Steering, loop_steering, steer_loops
 from llgtrt_core.engine.interface import ConstrainedRow, Constraint
 from llgtrt_core.engine.step_profile import StepPhases
 from llgtrt_core.kernels import apply_token_bitmask_inplace
@@ -47,10 +48,10 @@ class MaskPostProcessor:
 
     def __init__(self, ll_tokenizer: LLTokenizer, max_batch_size: int = 64, num_threads: Optional[int] = None):
         self.vocab_size = ll_tokenizer.vocab_size
-        self.executor = LLExecutor(num_threads)  # default: 80% of the cores, up to 32
+        self.pool = MaskPool(num_threads)  # llguidance's default: 80% of the cores, up to 32
         # The rows filled apart get a pool of their own: a thread of the batch's pool that waits for
         # a stolen job may pick up a slow row's meanwhile, and the batch's fill would wait for it.
-        self._apart_executor: Optional[LLExecutor] = None
+        self._apart_pool: Optional[MaskPool] = None
         self.pin_memory = torch.cuda.is_available()
         self._allocate_host(max_batch_size)
         self._device: Optional[DeviceCopies] = None
@@ -77,7 +78,7 @@ class MaskPostProcessor:
         self._reserve(offset + count, keep=offset)
         start = time.perf_counter()
         self.phases.begin()
-        self._fill_rows(rows, self._host_masks[offset:], self.executor, self.phases)
+        self._fill_rows(rows, self._host_masks[offset:], self.pool, self.phases)
         metrics.mask_fill_time.observe(time.perf_counter() - start)
         return self._host_views[offset + count]
 
@@ -94,10 +95,10 @@ class MaskPostProcessor:
         same commits, masks and loop steering, into a (len(rows), words) host buffer of their own. A
         row that fails gets its constraint's error and the EOS-only mask; nothing raises."""
         host = torch.empty(len(rows), self._host_masks.shape[1], dtype=torch.int32)
-        if self._apart_executor is None:
-            self._apart_executor = LLExecutor(APART_THREADS)
+        if self._apart_pool is None:
+            self._apart_pool = MaskPool(APART_THREADS)
         try:
-            self._fill_rows(rows, host, self._apart_executor)
+            self._fill_rows(rows, host, self._apart_pool)
         except Exception as e:
             logger.exception("mask fill apart failed")
             for j, row in enumerate(rows):
@@ -175,17 +176,20 @@ class MaskPostProcessor:
             grammar.loop_guard.observe_all(forced if token is None else [token, *forced])
         return forced
 
-    def _fill_rows(self, rows: Sequence[ConstrainedRow], host: torch.Tensor, executor: LLExecutor,
+    def _fill_rows(self, rows: Sequence[ConstrainedRow], host: torch.Tensor, pool: "MaskPool",
                    phases: Optional[StepPhases] = None) -> None:
         """Commit and compute `rows`' masks into `host`'s first rows, then steer the looping ones."""
         if len(rows) == 1:  # no thread hand-off for a lone row
             self._fill_one(rows[0], host)
+            steering = loop_steering(rows, self._escapes)
             if phases is not None:
                 phases.mark("one_row")
         elif rows:
-            self._fill_batch(rows, host, executor, phases)
-        steer_loops(rows, host, self._escapes)
-        if phases is not None:  # the loop guard, Python once per row: its own phase in the profile
+            steering = self._fill_batch(rows, host, pool, phases)
+        else:
+            return
+        steer_loops(rows, host, steering, self._escapes)
+        if phases is not None:
             phases.mark("steer")
 
     def _fill_one(self, row: ConstrainedRow, host: torch.Tensor) -> None:
@@ -203,16 +207,16 @@ class MaskPostProcessor:
                 constraint.fail(f"grammar step failed at token {token}: {e}")
         self._settle(constraint, host, 0)
 
-    def _fill_batch(self, rows: Sequence[ConstrainedRow], host: torch.Tensor, executor: LLExecutor,
-                    phases: Optional[StepPhases] = None) -> None:
-        """Commit all new tokens, then all masks (into `host`'s rows), each on `executor`'s rayon
-        pool (no GIL)."""
+    def _fill_batch(self, rows: Sequence[ConstrainedRow], host: torch.Tensor, pool: "MaskPool",
+                    phases: Optional[StepPhases] = None) -> Steering:
+        """Commit all new tokens, then all masks (into `host`'s rows), each on `pool`'s rayon threads
+        (no GIL), the loop guards observing the tokens meanwhile; their `loop_steering`."""
         constraints: list[GrammarConstraint] = [row.constraint for row in rows]  # type: ignore[misc]
         pending = [(j, row.new_token) for j, row in enumerate(rows)
                    if row.new_token is not None and constraints[j].error is None]
         if pending:
             try:
-                accepted = executor.consume_token_par([(constraints[j].matcher, t) for j, t in pending])
+                accepted = pool.executor.consume_token_par([(constraints[j].matcher, t) for j, t in pending])
             except Exception:  # API misuse somewhere in the batch: retry row by row
                 logger.exception("batched token commit failed; committing row by row")
                 accepted = [self._consume_one(constraints[j], t) for j, t in pending]
@@ -223,9 +227,14 @@ class MaskPostProcessor:
         if phases is not None:
             phases.mark("commit")
         live = [(c.matcher, j) for j, c in enumerate(constraints) if c.error is None]
+        computing = pool.compute(live, host.data_ptr(), self._row_bytes, len(rows)) if live else None
+        # The loop guards' Python (once per row) while llguidance computes the masks without the GIL.
+        steering = loop_steering(rows, self._escapes)
+        if phases is not None:
+            phases.mark("guard")
         try:
-            if live:
-                executor.unsafe_compute_mask_ptr(live, host.data_ptr(), self._row_bytes, len(rows))
+            if computing is not None:
+                computing.result()
         except Exception:  # one bad row must not cost the others their masks
             logger.exception("batched mask fill failed; filling row by row")
             for _, j in live:
@@ -238,6 +247,7 @@ class MaskPostProcessor:
             self._settle(constraint, host, j)
         if phases is not None:
             phases.mark("settle")
+        return steering
 
     def _consume_one(self, constraint: GrammarConstraint, token: int) -> bool:
         try:
@@ -284,6 +294,19 @@ class MaskPostProcessor:
         self._row_bytes = self._host_masks.shape[1] * 4
         self._host_views = [self._host_masks[:count] for count in range(capacity + 1)]
 
+
+
+class MaskPool:
+    """llguidance's executor for a fill's rows, and a thread that waits for its mask computation, so
+    that the fill's own thread runs the loop guards' Python meanwhile (the computation drops the GIL)."""
+
+    def __init__(self, num_threads: Optional[int]) -> None:
+        self.executor = LLExecutor(num_threads)
+        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="mask-compute")
+
+    def compute(self, matchers: list, pointer: int, row_bytes: int, count: int) -> Future:
+        """Each (matcher, j)'s mask into pointer + j * row_bytes, begun; its future."""
+        return self._waiter.submit(self.executor.unsafe_compute_mask_ptr, matchers, pointer, row_bytes, count)
 
 
 class DeviceCopies:
