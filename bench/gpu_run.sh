@@ -21,6 +21,8 @@
 #           then each row's mask alone on one seed (--per-row: the slowest row a batched fill waits for)
 #           (in the server an H100 host's masks took 3.2-4.1 ms a step at batch 256, the H200s' 1.8-1.9,
 #           engine.md "Session 21")
+#   fillab  bench/fill_step.py, 256 rows x 64 steps x 3 rounds, on one seed ($SEED, default a random one) for
+#           base / current / base / current (the trees of `ab`): the fill's host time a step of two versions
 #   spy     step_profile: 256 closed-loop streams of 64 tokens, a plain window then a constrained one (20 s
 #           each), py-spy sampling the GIL's holders in the server's processes halfway through each
 #           (gil_*.txt, raw stacks: which functions of which thread hold the GIL), and the step's phases
@@ -87,6 +89,15 @@ for stage in "$@"; do
         SEED=$(random_seed)
         python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3 --seed $SEED --data $D | grep -v "^round"
         python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3 --seed $SEED --data $D --per-row ;;
+    fillab)
+        SEED=${SEED:-$(random_seed)}
+        DATA=$PWD/$D
+        for TREE in base current base current; do
+            echo "-- $TREE"
+            (if [ $TREE = base ]; then cd .serve_whl/base; fi
+             python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3 --seed $SEED --data $DATA \
+                 2>&1 | grep -E "^  |^seed|^vm|^[A-Za-z].*CPUs")
+        done ;;
     ab)
         SEED=${SEED:-$(random_seed)}
         [ -f .serve_whl/base/REVISION ] || { echo "no .serve_whl/base: bash bench/base_tree.sh REV"; exit 1; }
