@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
 
 import torch
@@ -210,7 +210,7 @@ class MaskPostProcessor:
     def _fill_batch(self, rows: Sequence[ConstrainedRow], host: torch.Tensor, pool: "MaskPool",
                     phases: Optional[StepPhases] = None) -> Steering:
         """Commit all new tokens, then all masks (into `host`'s rows), each on `pool`'s rayon threads
-        (no GIL), the loop guards observing the tokens meanwhile; their `loop_steering`."""
+        (no GIL), the loop guards observing the tokens meanwhile (`pool.beside`); their steering."""
         constraints: list[GrammarConstraint] = [row.constraint for row in rows]  # type: ignore[misc]
         pending = [(j, row.new_token) for j, row in enumerate(rows)
                    if row.new_token is not None and constraints[j].error is None]
@@ -226,21 +226,23 @@ class MaskPostProcessor:
                         self._reject(constraints[j], token)
         if phases is not None:
             phases.mark("commit")
+        # The loop guards' Python (once per row) runs beside, while llguidance computes the masks on
+        # this thread without the GIL: computing them on the other thread instead left them waiting
+        # for the GIL to start and to return.
         live = [(c.matcher, j) for j, c in enumerate(constraints) if c.error is None]
-        computing = pool.compute(live, host.data_ptr(), self._row_bytes, len(rows)) if live else None
-        # The loop guards' Python (once per row) while llguidance computes the masks without the GIL.
-        steering = loop_steering(rows, self._escapes)
-        if phases is not None:
-            phases.mark("guard")
+        guarding = pool.beside.submit(loop_steering, rows, self._escapes)
         try:
-            if computing is not None:
-                computing.result()
+            if live:
+                pool.executor.unsafe_compute_mask_ptr(live, host.data_ptr(), self._row_bytes, len(rows))
         except Exception:  # one bad row must not cost the others their masks
             logger.exception("batched mask fill failed; filling row by row")
             for _, j in live:
                 self._compute_one(constraints[j], host, j)
         if phases is not None:
             phases.mark("masks")
+        steering = guarding.result()
+        if phases is not None:
+            phases.mark("guard")
         for j, constraint in enumerate(constraints):  # _settle, inlined: once per row per step
             if constraint.error is None and not constraint.matcher.is_error():
                 continue
@@ -297,16 +299,12 @@ class MaskPostProcessor:
 
 
 class MaskPool:
-    """llguidance's executor for a fill's rows, and a thread that waits for its mask computation, so
-    that the fill's own thread runs the loop guards' Python meanwhile (the computation drops the GIL)."""
+    """llguidance's executor for a fill's rows, and a thread beside the fill's for its Python that
+    needs no mask (the loop guards), run while the fill's thread computes the masks without the GIL."""
 
     def __init__(self, num_threads: Optional[int]) -> None:
         self.executor = LLExecutor(num_threads)
-        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="mask-compute")
-
-    def compute(self, matchers: list, pointer: int, row_bytes: int, count: int) -> Future:
-        """Each (matcher, j)'s mask into pointer + j * row_bytes, begun; its future."""
-        return self._waiter.submit(self.executor.unsafe_compute_mask_ptr, matchers, pointer, row_bytes, count)
+        self.beside = ThreadPoolExecutor(1, thread_name_prefix="mask-fill-beside")
 
 
 class DeviceCopies:
