@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
-from llgtrt_core.constraints.loop_guard import IN_STRING, OUTSIDE, EscapeMasks, LoopGuard, LoopGuardSettings
+from llgtrt_core.constraints.loop_guard import (IN_STRING, OUTSIDE, EscapeMasks, LoopGuard, LoopGuardSettings,
+                                              loop_steering, steer_loops)
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor
 from llgtrt_core.constraints.request_grammar import json_schema_grammar
 from llgtrt_core.engine.interface import ConstrainedRow
@@ -227,6 +228,29 @@ def test_rows_steered_together_each_get_their_own_escape_class():
     narrowed = escapes.narrow(masks, [0, 1, 2, 3, 4], [False, False, True, False, False])
     assert narrowed == [True, True, False, False, True]
     assert masks[:, 0].tolist() == [mask(7), mask(4), mask(2, 6), mask(0, 5, 1), mask(3)]
+
+
+def test_a_row_that_fails_while_its_mask_is_computed_is_not_steered():
+    """The fill decides the steering (`loop_steering`) while the masks are computed; a row whose
+    grammar fails meanwhile gets the EOS-only mask, which `steer_loops` leaves alone."""
+    texts = ["word", '"', "1", "}", ","]
+    escapes = EscapeMasks(texts, [], 1)
+
+    @dataclasses.dataclass
+    class Guarded:  # what the loop guard reads of a constraint
+        loop_guard: LoopGuard
+        error: Optional[str] = None
+
+    constraints = [Guarded(LoopGuard(LoopGuardSettings(max_tokens=10))) for _ in range(2)]
+    for constraint in constraints:
+        constraint.loop_guard.observe_all([2] * 8)  # a number, one token from its limit of ten
+    rows = [ConstrainedRow(constraint, j, 2) for j, constraint in enumerate(constraints)]
+    steering = loop_steering(rows, escapes)
+    assert [j for j, _, _ in steering] == [0, 1]
+    constraints[0].error = "grammar failed while its mask was computed"
+    masks = torch.tensor([[0b11100], [0b11100]], dtype=torch.int32)  # "1", "}", ","
+    steer_loops(rows, masks, steering, escapes)
+    assert masks[:, 0].tolist() == [0b11100, 0b01000]  # the failed row untouched; the other: `}`
 
 
 def test_a_row_whose_only_word_lies_outside_the_sampled_mask_words_is_still_inside_a_string():
