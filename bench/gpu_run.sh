@@ -29,6 +29,9 @@
 #   threads batch 256 x 6 rounds on one seed ($SEED, default a random one) against a server restarted for
 #           each mask-fill pool size in $MASK_THREADS_LIST (default "default 8 4"; "default": llguidance's),
 #           each with a step log
+#   switches batch 128 and 256 x 3 rounds on one seed ($SEED, default a random one) with the engine process's
+#           threads sampled (bench/thread_switches.py: CPU, voluntary and involuntary context switches a
+#           step), against a server restarted for each loop-guard mode in $GUARD_MODES (default "on off")
 # Everything lands in $OUT (the server's log as server.log).
 set -u
 source bench/gpu_serve.sh --no-server || exit 1
@@ -125,6 +128,24 @@ for stage in "$@"; do
             grep -h "token masks take" /tmp/server.log | cut -c1-200
         done
         unset LLGTRT_CONFIG LLGTRT_STEP_LOG ;;
+    switches)
+        SEED=${SEED:-$(random_seed)}
+        echo '{llguidance: {loop_guard: {enabled: false}}}' > /tmp/guard_off.json5
+        for MODE in ${GUARD_MODES:-on off}; do
+            stop_server
+            if [ $MODE = off ]; then export LLGTRT_CONFIG=/tmp/guard_off.json5; else unset LLGTRT_CONFIG; fi
+            source bench/gpu_serve.sh || exit 1
+            echo "-- loop guard $MODE"
+            python3 bench/thread_switches.py sample --pid $(pgrep -f llgtrt_core.engine.core_process | head -1) \
+                --out $OUT/threads_guard_$MODE.jsonl &
+            SAMPLER=$!
+            python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 3 --max-tokens 64 --seed $SEED \
+                --data $D --json $OUT/constrained_tbt_guard_$MODE.json | grep -v "^|"
+            kill $SAMPLER
+            python3 bench/thread_switches.py waves --samples $OUT/threads_guard_$MODE.jsonl \
+                --tbt $OUT/constrained_tbt_guard_$MODE.json
+        done
+        unset LLGTRT_CONFIG ;;
     tests)
         stop_server
         python3 -m pytest -q -x tests/test_engine_gpu.py tests/test_scheduler.py tests/test_constraint_stage.py \
