@@ -145,6 +145,7 @@ for stage in "$@"; do
             python3 bench/thread_switches.py waves --samples $OUT/threads_guard_$MODE.jsonl \
                 --tbt $OUT/constrained_tbt_guard_$MODE.json
         done
+        stop_server  # a later stage would find this mode's server up and measure it
         unset LLGTRT_CONFIG ;;
     tests)
         stop_server
