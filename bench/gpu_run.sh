@@ -15,8 +15,10 @@
 #           mode in $APART_MODES (default "on off"): slow grammars' rows filled apart (on: the default) or
 #           every row in the batch (off: llguidance.slow_mask_ms null); each with a step log and its sit-outs
 #   ab      batch 128 and 256 x 3 rounds on one seed ($SEED, default a random one) against a server restarted
-#           for each tree in turn, base / current / base / current: base is the commit bench/base_tree.sh
-#           put in .serve_whl/base, current the working tree (two versions of the code on one machine)
+#           for each tree in turn ($AB_TREES, default base / current / base / current): base is the commit
+#           bench/base_tree.sh put in .serve_whl/base, current the working tree (two versions of the code on
+#           one machine); the engine process's threads sampled (bench/thread_switches.py). Four servers
+#           outlast one 10-minute call on a fresh machine (session 27): AB_TREES="base current" twice instead
 #   fill    bench/fill_step.py on this machine's host, 256 rows x 3 rounds (no GPU): how fast it fills masks,
 #           then each row's mask alone on one seed (--per-row: the slowest row a batched fill waits for)
 #           (in the server an H100 host's masks took 3.2-4.1 ms a step at batch 256, the H200s' 1.8-1.9,
@@ -105,15 +107,22 @@ for stage in "$@"; do
         SEED=${SEED:-$(random_seed)}
         [ -f .serve_whl/base/REVISION ] || { echo "no .serve_whl/base: bash bench/base_tree.sh REV"; exit 1; }
         RUN=0
-        for TREE in base current base current; do
+        for TREE in ${AB_TREES:-base current base current}; do
             RUN=$((RUN + 1))
             stop_server
             if [ $TREE = base ]; then (cd .serve_whl/base && source ../../bench/gpu_serve.sh) || exit 1; else serve; fi
             echo "-- $TREE ($([ $TREE = base ] && cat .serve_whl/base/REVISION || echo working tree)), served from" \
                 "$(readlink /proc/$(cat /tmp/server.pgid)/cwd)"
+            python3 bench/thread_switches.py sample --pid $(pgrep -f llgtrt_core.engine.core_process | head -1) \
+                --out $OUT/threads_ab${RUN}_$TREE.jsonl &
+            SAMPLER=$!
             python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 3 --max-tokens 64 --seed $SEED \
                 --data $D --json $OUT/constrained_tbt_ab${RUN}_$TREE.json | grep -v "^|"
-        done ;;
+            kill $SAMPLER
+            python3 bench/thread_switches.py waves --samples $OUT/threads_ab${RUN}_$TREE.jsonl \
+                --tbt $OUT/constrained_tbt_ab${RUN}_$TREE.json | grep "voluntary switches a step"
+        done
+        stop_server ;;
     apart)
         SEED=${SEED:-$(random_seed)}
         echo '{llguidance: {slow_mask_ms: null}}' > /tmp/apart_off.json5
