@@ -53,6 +53,16 @@ stop_server() {  # this call's server or an earlier call's (its KV cache holds m
     for _ in $(seq 60); do pgrep -f "llgtrt_core.engine.core_process|_bentoml_impl.worker" > /dev/null || break; sleep 1; done
     sleep 2
 }
+sampled_tbt() {  # batch 128 and 256 x 3 rounds on $SEED against the server up, its engine process's threads
+    # sampled: $OUT/constrained_tbt_$1.json, $OUT/threads_$1.jsonl, and the switches a step per wave
+    python3 bench/thread_switches.py sample --pid $(pgrep -f llgtrt_core.engine.core_process | head -1) \
+        --out $OUT/threads_$1.jsonl &
+    local sampler=$!
+    python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 3 --max-tokens 64 --seed $SEED \
+        --data $D --json $OUT/constrained_tbt_$1.json | grep -v "^|"
+    kill $sampler
+    python3 bench/thread_switches.py waves --samples $OUT/threads_$1.jsonl --tbt $OUT/constrained_tbt_$1.json
+}
 for stage in "$@"; do
     echo "== $stage $(date -u +%H:%M:%S), CPU seconds stolen so far $(stolen_s)"
     case $stage in
@@ -113,14 +123,7 @@ for stage in "$@"; do
             if [ $TREE = base ]; then (cd .serve_whl/base && source ../../bench/gpu_serve.sh) || exit 1; else serve; fi
             echo "-- $TREE ($([ $TREE = base ] && cat .serve_whl/base/REVISION || echo working tree)), served from" \
                 "$(readlink /proc/$(cat /tmp/server.pgid)/cwd)"
-            python3 bench/thread_switches.py sample --pid $(pgrep -f llgtrt_core.engine.core_process | head -1) \
-                --out $OUT/threads_ab${RUN}_$TREE.jsonl &
-            SAMPLER=$!
-            python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 3 --max-tokens 64 --seed $SEED \
-                --data $D --json $OUT/constrained_tbt_ab${RUN}_$TREE.json | grep -v "^|"
-            kill $SAMPLER
-            python3 bench/thread_switches.py waves --samples $OUT/threads_ab${RUN}_$TREE.jsonl \
-                --tbt $OUT/constrained_tbt_ab${RUN}_$TREE.json | grep "voluntary switches a step"
+            sampled_tbt ab${RUN}_$TREE
         done
         stop_server ;;
     apart)
@@ -145,14 +148,7 @@ for stage in "$@"; do
             if [ $MODE = off ]; then export LLGTRT_CONFIG=/tmp/guard_off.json5; else unset LLGTRT_CONFIG; fi
             source bench/gpu_serve.sh || exit 1
             echo "-- loop guard $MODE"
-            python3 bench/thread_switches.py sample --pid $(pgrep -f llgtrt_core.engine.core_process | head -1) \
-                --out $OUT/threads_guard_$MODE.jsonl &
-            SAMPLER=$!
-            python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 3 --max-tokens 64 --seed $SEED \
-                --data $D --json $OUT/constrained_tbt_guard_$MODE.json | grep -v "^|"
-            kill $SAMPLER
-            python3 bench/thread_switches.py waves --samples $OUT/threads_guard_$MODE.jsonl \
-                --tbt $OUT/constrained_tbt_guard_$MODE.json
+            sampled_tbt guard_$MODE
         done
         stop_server  # a later stage would find this mode's server up and measure it
         unset LLGTRT_CONFIG ;;
