@@ -38,7 +38,8 @@ class LateMaskPostProcessor(MaskPostProcessor):
     def fill_apart(self, rows):
         started = self.engine.num_steps
         while self.engine.num_steps < started + 2 and any(
-                not self.fills_apart(seq.request.constraint) for seq in list(self.engine.scheduler.running)):
+                seq.request.constraint is None or not seq.request.constraint.mask_cost.slow
+                for seq in list(self.engine.scheduler.running)):
             time.sleep(0.002)
         return super().fill_apart(rows)
 

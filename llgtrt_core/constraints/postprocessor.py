@@ -24,6 +24,7 @@ only, so the sequence ends with the model's EOS (finish_reason "stop").
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
@@ -41,6 +42,9 @@ from llgtrt_core.kernels import apply_token_bitmask_inplace
 
 logger = logging.getLogger(__name__)
 
+_ROW = operator.itemgetter(1)  # a ConstrainedRow's logits row, for map()
+
+FAST = MaskCost()  # never marked slow: the cost of a constraint that has none
 APART_THREADS = 2  # llguidance's pool for the rows filled apart (slow grammars: a few rows at a time)
 
 
@@ -83,13 +87,16 @@ class MaskPostProcessor:
         metrics.mask_fill_time.observe(time.perf_counter() - start)
         return self._host_views[offset + count]
 
-    def any_fills_apart(self) -> bool:
-        return MaskCost.any_slow
-
-    def fills_apart(self, constraint: Constraint) -> bool:
-        """Whether `constraint`'s rows are better filled apart from the batch's: its grammar's masks are slow."""
-        cost = getattr(constraint, "mask_cost", None)  # a GrammarConstraint's; anything else is batched (and fails there)
-        return cost is not None and cost.slow
+    def split_apart(self, rows: list[ConstrainedRow]) -> tuple[list[ConstrainedRow], list[ConstrainedRow]]:
+        """`rows` as (those better filled apart from the batch's: their grammar's masks are slow, the
+        rest). One pass and no call a row: the engine thread asks every step."""
+        if not MaskCost.any_slow:  # until a grammar is marked slow, no row is asked
+            return [], rows
+        # A GrammarConstraint's cost; anything else counts as fast, is batched (and fails there).
+        slow = [getattr(row.constraint, "mask_cost", FAST).slow for row in rows]
+        if not any(slow):
+            return [], rows
+        return [row for row, apart in zip(rows, slow) if apart], [row for row, apart in zip(rows, slow) if not apart]
 
     def fill_apart(self, rows: Sequence[ConstrainedRow]) -> torch.Tensor:
         """`fill` for rows filled apart from the batch's (slow grammars), on another thread meanwhile: the
@@ -144,7 +151,7 @@ class MaskPostProcessor:
         next upload; on CPU the host buffers themselves, valid until the next `fill` and `upload`."""
         count = len(rows)
         indices = self._host_rows[:count]
-        indices.numpy()[:] = [row.row for row in rows]  # straight into the (pinned) buffer: no tensor built
+        indices.numpy()[:] = list(map(_ROW, rows))  # straight into the (pinned) buffer: no tensor built
         if device.type != "cuda":
             return masks, indices
         stream = stream or torch.cuda.current_stream(device)

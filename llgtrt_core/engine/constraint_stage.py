@@ -14,7 +14,7 @@ had read the tokens it was the step's critical path). The rows move meanwhile (f
 leave, aborts, new prompts join), so the next `begin` matches the early masks to its rows by
 constraint, fills the rows that joined after them and `masks` drops those of rows that left.
 
-A slow grammar's rows (probed at compile: `MaskPostProcessor.fills_apart`) are filled apart, one
+A slow grammar's rows (probed at compile: `MaskPostProcessor.split_apart`) are filled apart, one
 job per step on a pool of their own, so the batch's fill returns without them (a step waited for
 its slowest row: 3-10 ms for a string `pattern` with `maxLength`). When such a row's mask is not
 ready at its draw, `masks` says it sits the step out (the engine drops its draw and decodes its
@@ -24,6 +24,7 @@ previous token again); its mask stays on the way and serves the next step.
 from __future__ import annotations
 
 import logging
+import operator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence as Seq
@@ -37,6 +38,8 @@ from llgtrt_core.engine.step_profile import StepPhases
 from llgtrt_core.engine.sampler import DeviceMasks
 
 logger = logging.getLogger(__name__)
+
+_CONSTRAINT = operator.itemgetter(0)  # a ConstrainedRow's constraint, for map()
 
 
 @dataclass
@@ -106,11 +109,7 @@ class ConstraintStage:
                 if seq.request.constraint is not None]
         if self._apart:  # sitting out: its mask is on the way
             rows = [row for row in rows if id(row.constraint) not in self._apart]
-        apart = []
-        if self._any_apart():
-            slow = {row.row for row in rows if self._fills_apart(running[row.row])}
-            apart = [row for row in rows if row.row in slow]
-            rows = [row for row in rows if row.row not in slow]
+        apart, rows = self._split_apart(rows)
         if rows:
             self._ahead = (rows, self._pool.submit(self._fill_ahead, rows, read_tokens))
         if apart:
@@ -120,13 +119,12 @@ class ConstraintStage:
     def _fill_ahead(self, rows: list[ConstrainedRow], read_tokens: Callable[[], Seq[int]]) -> torch.Tensor:
         return self.post_processor.fill(_with_tokens(rows, read_tokens()))
 
-    def _any_apart(self) -> bool:
-        """Whether this step may fill any row apart (until a grammar is marked slow, no row is asked)."""
-        return self._apart_pool is not None and self.post_processor.any_fills_apart()
-
-    def _fills_apart(self, seq: Sequence) -> bool:
-        """A slow grammar's row, unless it fast-forwards (its commits are the engine thread's)."""
-        return not seq.fast_forward and self.post_processor.fills_apart(seq.request.constraint)
+    def _split_apart(self, rows: list[ConstrainedRow]) -> tuple[list[ConstrainedRow], list[ConstrainedRow]]:
+        """`rows` (none of which fast-forwards: such a row's commits are the engine thread's) as
+        (those filled apart: slow grammars', the rest)."""
+        if self._apart_pool is None or not rows:
+            return [], rows
+        return self.post_processor.split_apart(rows)
 
     def _start_apart(self, rows: list[ConstrainedRow], read_tokens: Optional[Callable[[], Seq[int]]]) -> None:
         """One job for these rows, which first reads their sampled tokens (read_tokens None: the
@@ -162,38 +160,37 @@ class ConstraintStage:
                 placed.append(row)
                 continue
             if index is None:
-                index = {id(c): i for i, c in enumerate(constraints) if c is not None}
+                index = dict(zip(map(id, constraints), range(len(constraints))))
             now = index.get(id(row.constraint))
             placed.append(None if now is None else ConstrainedRow(row.constraint, now, None))
         rows, apart, new_apart = [], [], []
         held = len(placed) - placed.count(None)
         if held < len(constraints) - constraints.count(None):  # rows the fill begun ahead does not hold
-            held_ids = {id(row.constraint) for row in placed if row is not None}
-            any_apart = self._any_apart()
-            for i, constraint in enumerate(constraints):
-                if constraint is None or id(constraint) in held_ids:
-                    continue
-                seq = running[i]
-                row = ConstrainedRow(constraint, i, seq.uncommitted_token)
-                if id(constraint) in self._apart:  # filled apart, its mask on the way
-                    apart.append(row)
-                elif any_apart and self._fills_apart(seq):
-                    new_apart.append(row)
-                    seq.uncommitted_token = None  # the job commits it
-                else:
-                    rows.append(row)
-        if new_apart:
-            self._start_apart(new_apart, None)
+            # Every step while a row is filled apart: C-level passes over the batch where they can be.
+            held_ids = set(map(id, map(_CONSTRAINT, filter(None, placed))))
+            rows = [ConstrainedRow(c, i, running[i].uncommitted_token) for i, c in enumerate(constraints)
+                    if c is not None and id(c) not in held_ids]
+            if self._apart:  # filled apart, their masks on the way
+                apart = [row for row in rows if id(row.constraint) in self._apart]
+                rows = [row for row in rows if id(row.constraint) not in self._apart]
+            new_apart, _ = self._split_apart([row for row in rows if not running[row.row].fast_forward])
+            if new_apart:
+                moved = {row.row for row in new_apart}
+                rows = [row for row in rows if row.row not in moved]
+                for row in new_apart:
+                    running[row.row].uncommitted_token = None  # the job commits it
+                self._start_apart(new_apart, None)
         if self._apart:
-            self._forget_apart(running)
+            self._forget_apart(constraints)
         if rows and self._pool is not None:
             futures.append(self._pool.submit(self.post_processor.fill, rows, len(ahead_rows)))
         return StepFill(placed + rows, futures, len(placed), apart + new_apart)
 
-    def _forget_apart(self, running: Seq[Sequence]) -> None:
-        """Drop the finished jobs' masks of sequences no longer running (a job still running keeps
-        its entry: its matcher may run again, as a preempted sequence comes back)."""
-        live = {id(seq.request.constraint) for seq in running}
+    def _forget_apart(self, constraints: list[Optional[Constraint]]) -> None:
+        """Drop the finished jobs' masks of sequences no longer running (`constraints`: the running
+        rows'; a job still running keeps its entry: its matcher may run again, as a preempted
+        sequence comes back)."""
+        live = set(map(id, constraints))
         for key in [key for key, (job, _) in self._apart.items() if key not in live and job.done()]:
             del self._apart[key]
 
@@ -238,7 +235,7 @@ def _with_tokens(rows: list[ConstrainedRow], tokens: Seq[int]) -> list[Constrain
 def _drop_left(rows: list[Optional[ConstrainedRow]], host: torch.Tensor) -> tuple[list[ConstrainedRow], torch.Tensor]:
     """The rows still running and their masks, the rows of those that left filled from the end
     (a few a step), as the scheduler fills a finished sequence's cache row."""
-    live = [row for row in rows if row is not None]
+    live = list(filter(None, rows))  # a ConstrainedRow, a non-empty tuple, is true
     if len(live) == len(rows):
         return live, host
     kept = list(rows[:len(live)])

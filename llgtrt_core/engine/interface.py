@@ -148,11 +148,9 @@ class ApartFiller(Protocol):
     """A post-processor that knows which constraints' masks are slow and can fill those rows apart
     from the step's batch (on another thread), so the batch's fill need not wait for them."""
 
-    def any_fills_apart(self) -> bool:
-        """Whether any row may be filled apart now (asked once a step, before `fills_apart` for each)."""
+    def split_apart(self, rows: list[ConstrainedRow]) -> tuple[list[ConstrainedRow], list[ConstrainedRow]]:
+        """`rows` as (those to fill apart, the rest), asked every step."""
         ...
-
-    def fills_apart(self, constraint: Constraint) -> bool: ...
 
     def fill_apart(self, rows: Sequence[ConstrainedRow]) -> torch.Tensor:
         """`fill` for these rows into a (len(rows), words) host buffer of their own; never raises
