@@ -28,6 +28,9 @@
 #   spy     step_profile: 256 closed-loop streams of 64 tokens, a plain window then a constrained one (20 s
 #           each), py-spy sampling the GIL's holders in the server's processes halfway through each
 #           (gil_*.txt, raw stacks: which functions of which thread hold the GIL), and the step's phases
+#   spyab   spy's window pair (py-spy's GIL samples and the step's phases) on one seed ($SEED, default a random
+#           one) against a server restarted for each tree in $AB_TREES (default base / current, as `ab`):
+#           spy_<run>_<tree>/
 #   threads batch 256 x 6 rounds on one seed ($SEED, default a random one) against a server restarted for
 #           each mask-fill pool size in $MASK_THREADS_LIST (default "default 8 4"; "default": llguidance's),
 #           each with a step log
@@ -90,6 +93,20 @@ for stage in "$@"; do
         serve
         python3 bench/step_profile.py --url $SERVER --clients 256 --seconds 20 --rounds 1 --max-tokens 64 \
             --data $D --py-spy --py-spy-dir $OUT --json $OUT/step_profile.json ;;
+    spyab)
+        SEED=${SEED:-$(random_seed)}
+        [ -f .serve_whl/base/REVISION ] || { echo "no .serve_whl/base: bash bench/base_tree.sh REV"; exit 1; }
+        RUN=0
+        for TREE in ${AB_TREES:-base current}; do
+            RUN=$((RUN + 1))
+            stop_server
+            if [ $TREE = base ]; then (cd .serve_whl/base && source ../../bench/gpu_serve.sh) || exit 1; else serve; fi
+            echo "-- $TREE ($([ $TREE = base ] && cat .serve_whl/base/REVISION || echo working tree))"
+            python3 bench/step_profile.py --url $SERVER --clients 256 --seconds 20 --rounds 1 --max-tokens 64 \
+                --data $D --seed $SEED --py-spy --py-spy-dir $OUT/spy_${RUN}_$TREE \
+                --json $OUT/spy_${RUN}_$TREE/step_profile.json
+        done
+        stop_server ;;
     threads)
         SEED=${SEED:-$(random_seed)}
         for T in ${MASK_THREADS_LIST:-default 8 4}; do
