@@ -39,7 +39,7 @@ from llgtrt_core.engine.sampler import DeviceMasks
 
 logger = logging.getLogger(__name__)
 
-_CONSTRAINT = operator.itemgetter(0)  # a ConstrainedRow's constraint, for map()
+_CONSTRAINT, _ROW = operator.itemgetter(0), operator.itemgetter(1)  # a ConstrainedRow's fields, for map()
 
 
 @dataclass
@@ -165,14 +165,16 @@ class ConstraintStage:
             placed.append(None if now is None else ConstrainedRow(row.constraint, now, None))
         rows, apart, new_apart = [], [], []
         held = len(placed) - placed.count(None)
-        if held < len(constraints) - constraints.count(None):  # rows the fill begun ahead does not hold
-            # Every step while a row is filled apart: C-level passes over the batch where they can be.
-            held_ids = set(map(id, map(_CONSTRAINT, filter(None, placed))))
+        if self._apart:  # filled apart, their masks on the way (never in the fill begun ahead): a few rows
+            if index is None:
+                index = dict(zip(map(id, constraints), range(len(constraints))))
+            apart = sorted((ConstrainedRow(constraints[i], i, running[i].uncommitted_token)
+                            for i in map(index.get, self._apart) if i is not None), key=_ROW)
+            self._forget_apart(index)
+        if held + len(apart) < len(constraints) - constraints.count(None):  # rows that joined since
+            held_ids = set(map(id, map(_CONSTRAINT, filter(None, placed)))).union(self._apart)
             rows = [ConstrainedRow(c, i, running[i].uncommitted_token) for i, c in enumerate(constraints)
                     if c is not None and id(c) not in held_ids]
-            if self._apart:  # filled apart, their masks on the way
-                apart = [row for row in rows if id(row.constraint) in self._apart]
-                rows = [row for row in rows if id(row.constraint) not in self._apart]
             new_apart, _ = self._split_apart([row for row in rows if not running[row.row].fast_forward])
             if new_apart:
                 moved = {row.row for row in new_apart}
@@ -180,18 +182,15 @@ class ConstraintStage:
                 for row in new_apart:
                     running[row.row].uncommitted_token = None  # the job commits it
                 self._start_apart(new_apart, None)
-        if self._apart:
-            self._forget_apart(constraints)
         if rows and self._pool is not None:
             futures.append(self._pool.submit(self.post_processor.fill, rows, len(ahead_rows)))
         return StepFill(placed + rows, futures, len(placed), apart + new_apart)
 
-    def _forget_apart(self, constraints: list[Optional[Constraint]]) -> None:
-        """Drop the finished jobs' masks of sequences no longer running (`constraints`: the running
-        rows'; a job still running keeps its entry: its matcher may run again, as a preempted
-        sequence comes back)."""
-        live = set(map(id, constraints))
-        for key in [key for key, (job, _) in self._apart.items() if key not in live and job.done()]:
+    def _forget_apart(self, running: dict[int, int]) -> None:
+        """Drop the finished jobs' masks of sequences no longer running (`running`: the running rows'
+        constraints by id; a job still running keeps its entry: its matcher may run again, as a
+        preempted sequence comes back)."""
+        for key in [key for key, (job, _) in self._apart.items() if key not in running and job.done()]:
             del self._apart[key]
 
     def masks(self, fill: StepFill, running: Seq[Sequence], stream: Optional[torch.cuda.Stream],
