@@ -1,7 +1,8 @@
 """ConstraintStage with a fill begun ahead (overlapped steps), before the draw reached the host:
 each row's token is committed once, and the masks reach the rows the sequences hold at the next
 step, after some left and others joined; a step without a fill begun ahead commits the tokens the
-engine left uncommitted; a slow grammar's row, filled apart, sits a step out when its mask is late."""
+engine left uncommitted; a slow grammar's row, filled apart, sits a step out when its mask is late,
+and keeps its mask on the way while others join and move."""
 
 from __future__ import annotations
 
@@ -156,3 +157,31 @@ def test_a_step_waits_for_a_late_mask_rather_than_have_every_row_sit_out() -> No
         threading.Timer(0.2, late.set).start()
         masks, sitting_out = masks_by_row(stage, [s], may_sit_out=True)  # alone: sitting out would gain nothing
         assert sitting_out == [] and allowed_tokens(masks[0]) == {ord("o")}
+
+
+def test_a_row_joins_and_another_moves_while_slow_rows_are_filled_apart() -> None:
+    with started_stage(4) as stage:
+        a, s, t, b = (sequence("a", "ab+c"), slow(sequence("s", "(yes|no)!")), slow(sequence("t", "[0-9]x")),
+                      sequence("b", "q+r"))
+        running = [a, s, t, b]
+        step_masks(stage, running)
+        late = threading.Event()
+
+        def read_tokens() -> list[int]:  # the slow rows' job is held up: both sit the next step out
+            if threading.current_thread().name.startswith("mask-fill-apart"):
+                assert late.wait(10)
+            return [ord("a"), ord("y"), ord("7"), ord("q")]
+
+        assert stage.begin_ahead(running, read_tokens)
+        assert masks_by_row(stage, running, may_sit_out=True)[1] == [1, 2]
+        assert stage.begin_ahead(running, lambda: [ord("b"), ord("n"), ord("3"), ord("q")])
+        # Meanwhile `a` and `t` finished, `b` moved into row 0 and `d` joined: `s` keeps its mask on the way.
+        d = sequence("d", "z+")
+        running = [b, s, d]
+        late.set()
+        masks = step_masks(stage, running)
+        for row, seq in enumerate(running):
+            assert torch.equal(masks[row], llguidance_mask(seq.request.constraint.matcher))
+        assert allowed_tokens(masks[0]) == {ord("q"), ord("r")}  # "q" committed at each of the two steps
+        assert allowed_tokens(masks[1]) == {ord("e")}  # "y" from its own job; the dropped draw's "n" never
+        assert allowed_tokens(masks[2]) == {ord("z")}
