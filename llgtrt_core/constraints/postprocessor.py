@@ -24,7 +24,6 @@ only, so the sequence ends with the model's EOS (finish_reason "stop").
 from __future__ import annotations
 
 import logging
-import operator
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
@@ -42,9 +41,7 @@ from llgtrt_core.kernels import apply_token_bitmask_inplace
 
 logger = logging.getLogger(__name__)
 
-_ROW = operator.itemgetter(1)  # a ConstrainedRow's logits row, for map()
-
-FAST = MaskCost()  # never marked slow: the cost of a constraint that has none
+_NEVER_SLOW = MaskCost()  # the cost of a constraint that has none
 APART_THREADS = 2  # llguidance's pool for the rows filled apart (slow grammars: a few rows at a time)
 
 
@@ -93,7 +90,7 @@ class MaskPostProcessor:
         if not MaskCost.any_slow:  # until a grammar is marked slow, no row is asked
             return [], rows
         # A GrammarConstraint's cost; anything else counts as fast, is batched (and fails there).
-        slow = [getattr(row.constraint, "mask_cost", FAST).slow for row in rows]
+        slow = [getattr(row.constraint, "mask_cost", _NEVER_SLOW).slow for row in rows]
         if not any(slow):
             return [], rows
         return [row for row, apart in zip(rows, slow) if apart], [row for row, apart in zip(rows, slow) if not apart]
@@ -151,7 +148,7 @@ class MaskPostProcessor:
         next upload; on CPU the host buffers themselves, valid until the next `fill` and `upload`."""
         count = len(rows)
         indices = self._host_rows[:count]
-        indices.numpy()[:] = list(map(_ROW, rows))  # straight into the (pinned) buffer: no tensor built
+        indices.numpy()[:] = [row.row for row in rows]  # straight into the (pinned) buffer: no tensor built
         if device.type != "cuda":
             return masks, indices
         stream = stream or torch.cuda.current_stream(device)
