@@ -56,6 +56,13 @@ stop_server() {  # this call's server or an earlier call's (its KV cache holds m
     for _ in $(seq 60); do pgrep -f "llgtrt_core.engine.core_process|_bentoml_impl.worker" > /dev/null || break; sleep 1; done
     sleep 2
 }
+serve_tree() {  # a fresh server of `base` (.serve_whl/base, bench/base_tree.sh) or `current` (the working tree)
+    [ -f .serve_whl/base/REVISION ] || { echo "no .serve_whl/base: bash bench/base_tree.sh REV"; exit 1; }
+    stop_server
+    if [ $1 = base ]; then (cd .serve_whl/base && source ../../bench/gpu_serve.sh) || exit 1; else serve; fi
+    echo "-- $1 ($([ $1 = base ] && cat .serve_whl/base/REVISION || echo working tree)), served from" \
+        "$(readlink /proc/$(cat /tmp/server.pgid)/cwd)"
+}
 sampled_tbt() {  # batch 128 and 256 x 3 rounds on $SEED against the server up, its engine process's threads
     # sampled: $OUT/constrained_tbt_$1.json, $OUT/threads_$1.jsonl, and the switches a step per wave
     python3 bench/thread_switches.py sample --pid $(pgrep -f llgtrt_core.engine.core_process | head -1) \
@@ -95,13 +102,10 @@ for stage in "$@"; do
             --data $D --py-spy --py-spy-dir $OUT --json $OUT/step_profile.json ;;
     spyab)
         SEED=${SEED:-$(random_seed)}
-        [ -f .serve_whl/base/REVISION ] || { echo "no .serve_whl/base: bash bench/base_tree.sh REV"; exit 1; }
         RUN=0
         for TREE in ${AB_TREES:-base current}; do
             RUN=$((RUN + 1))
-            stop_server
-            if [ $TREE = base ]; then (cd .serve_whl/base && source ../../bench/gpu_serve.sh) || exit 1; else serve; fi
-            echo "-- $TREE ($([ $TREE = base ] && cat .serve_whl/base/REVISION || echo working tree))"
+            serve_tree $TREE
             python3 bench/step_profile.py --url $SERVER --clients 256 --seconds 20 --rounds 1 --max-tokens 64 \
                 --data $D --seed $SEED --py-spy --py-spy-dir $OUT/spy_${RUN}_$TREE \
                 --json $OUT/spy_${RUN}_$TREE/step_profile.json
@@ -132,14 +136,10 @@ for stage in "$@"; do
         done ;;
     ab)
         SEED=${SEED:-$(random_seed)}
-        [ -f .serve_whl/base/REVISION ] || { echo "no .serve_whl/base: bash bench/base_tree.sh REV"; exit 1; }
         RUN=0
         for TREE in ${AB_TREES:-base current base current}; do
             RUN=$((RUN + 1))
-            stop_server
-            if [ $TREE = base ]; then (cd .serve_whl/base && source ../../bench/gpu_serve.sh) || exit 1; else serve; fi
-            echo "-- $TREE ($([ $TREE = base ] && cat .serve_whl/base/REVISION || echo working tree)), served from" \
-                "$(readlink /proc/$(cat /tmp/server.pgid)/cwd)"
+            serve_tree $TREE
             sampled_tbt ab${RUN}_$TREE
         done
         stop_server ;;
