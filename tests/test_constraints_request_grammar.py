@@ -15,7 +15,7 @@ import pytest
 
 from llgtrt_core.api.protocol import ChatCompletionRequest, CompletionRequest
 from llgtrt_core.constraints import GrammarRequestError, grammar_for_request, request_grammar
-from llgtrt_core.constraints.request_grammar import close_objects, dumps_compact
+from llgtrt_core.constraints.request_grammar import JsonPolicy, close_objects, dumps_compact, json_schema_grammar
 
 BYTES = llguidance.LLTokenizer("byte")
 
@@ -174,6 +174,33 @@ def test_disable_any_whitespace_beats_the_schemas_own_options():
     strict = grammar_for_request(request(structured_outputs={"json": schema, "disable_any_whitespace": True}))
     assert not accepts(strict, '{ "name" : "A" , "age" : 3 }')
     assert accepts(strict, '{"name":"A","age":3}')
+
+
+@pytest.mark.parametrize("policy", [
+    JsonPolicy(), JsonPolicy(whitespace_flexible=True), JsonPolicy(whitespace_pattern=r"[ ]?"),
+    JsonPolicy(whitespace_flexible=True, disable_any_whitespace=True),
+])
+@pytest.mark.parametrize("own", [None, {"whitespace_flexible": True, "item_separator": ", "}, "not options"])
+def test_the_schema_text_is_what_llguidance_would_write(policy, own):
+    """The options merge as `grammar_from_json_schema` merges them (written here, not by it)."""
+    schema = dict(PERSON) if own is None else dict(PERSON, **{"x-guidance": own})
+    ours = json.loads(json_schema_grammar(schema, policy))["grammars"]
+    theirs = json.loads(llguidance.LLMatcher.grammar_from_json_schema(
+        schema, defaults={"whitespace_flexible": policy.whitespace_flexible}, overrides=policy.overrides()))["grammars"]
+    assert len(ours) == len(theirs) == 1 and ours[0]["json_schema"] == theirs[0]["json_schema"]
+    assert json_schema_grammar(json.dumps(schema), policy) == json_schema_grammar(schema, policy)  # text alike
+
+
+def test_a_schema_that_is_no_json_is_a_grammar_error():
+    with pytest.raises(GrammarRequestError, match="not valid JSON"):
+        json_schema_grammar({"type": "number", "maximum": float("nan")}, param="guided_json")
+    with pytest.raises(GrammarRequestError, match="not valid JSON"):
+        json_schema_grammar('{"type": "number", "maximum": Infinity}', param="guided_json")
+    deep: dict = {}
+    for _ in range(100_000):
+        deep = {"items": deep}
+    with pytest.raises(GrammarRequestError, match="nests too deeply"):
+        json_schema_grammar(deep, param="guided_json")
 
 
 def test_disable_additional_properties_closes_every_object():

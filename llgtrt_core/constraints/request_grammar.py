@@ -236,12 +236,17 @@ def _text(value: Any, param: str) -> str:
 
 
 def json_schema_grammar(schema: Any, policy: JsonPolicy = JsonPolicy(), param: str = "response_format") -> str:
-    """Grammar for a JSON schema (dict or JSON text) under the bounded-whitespace default."""
+    """Grammar for a JSON schema (dict or JSON text) under the bounded-whitespace default: the
+    schema with its JSON options merged as llguidance's `grammar_from_json_schema` merges them (the
+    server's default, then the schema's own `x-guidance`, then the request's), written by Python's
+    JSON encoder, which is faster than that function's walk of the schema (under the GIL)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise GrammarRequestError(param, f"the schema is not valid JSON: {e}") from e
+        except RecursionError as e:
+            raise GrammarRequestError(param, "the schema nests too deeply") from e
     if schema is True:
         schema = {}  # the JSON Schema that accepts any value
     if not isinstance(schema, dict):
@@ -250,12 +255,16 @@ def json_schema_grammar(schema: Any, policy: JsonPolicy = JsonPolicy(), param: s
         schema = close_objects(schema)
     if policy.number_bounds is not None:
         schema = bound_numbers(schema, policy.number_bounds)
+    own = schema.get("x-guidance")
+    options = {"whitespace_flexible": policy.whitespace_flexible, **(own if isinstance(own, dict) else {}),
+               **(policy.overrides() or {})}
     try:
-        return LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": policy.whitespace_flexible}, overrides=policy.overrides()
-        )
-    except ValueError as e:
-        raise GrammarRequestError(param, str(e)) from e
+        text = json.dumps({**schema, "x-guidance": options}, separators=(",", ":"), allow_nan=False)
+    except (ValueError, TypeError) as e:  # NaN or Infinity, which JSON has not; a value of no JSON type
+        raise GrammarRequestError(param, f"the schema is not valid JSON: {e}") from e
+    except RecursionError as e:
+        raise GrammarRequestError(param, "the schema nests too deeply") from e
+    return f'{{"grammars":[{{"json_schema":{text}}}]}}'
 
 
 def choice_grammar(choices: Any, param: str = "choice") -> str:
