@@ -52,7 +52,7 @@ def compiled(compiler: GrammarCompiler, schema: dict[str, Any]) -> Optional[Comp
     """The schema's grammar as the server builds and compiles it; None when the server refuses it."""
     request = {"response_format": {"type": "json_schema", "json_schema": {"name": "maskbench", "schema": schema}}}
     try:
-        found = request_grammar(request, compiler.json_whitespace_flexible, compiler.number_bounds)
+        found = compiler.request_grammar(request)
         return compiler.checked(compiler.compile_future(found.grammar).result(), found.param)
     except GrammarRequestError:  # a 400 at the server
         return None

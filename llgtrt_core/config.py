@@ -180,6 +180,9 @@ class LlguidanceConfig:
     limits: LimitsConfig = option(LimitsConfig(), "Parser limits, per grammar.")
     log_level: int = option(0, "llguidance's own logging to stderr: 0 silent, 1 warnings, 2 verbose.")
     grammar_cache_size: int = option(256, "Compiled grammars kept, by grammar text.")
+    max_grammar_chars: int = option(1_000_000, "Longest grammar text a request may build (its schema with its "
+                                               "options, or its Lark grammar, regex, tools); longer: 400. "
+                                               "0: no limit.")
     compile_threads: Optional[int] = option(None, "Threads compiling grammars; null: min(4, cores).")
     mask_threads: Optional[int] = option(None, "Threads committing tokens and computing masks for a step's "
                                                "constrained rows (llguidance's pool); null: 80% of the cores, "
@@ -194,6 +197,8 @@ class LlguidanceConfig:
     number_bounds: NumberBoundsConfig = option(NumberBoundsConfig(), "Default bounds on JSON numbers.")
 
     def __post_init__(self) -> None:
+        if self.max_grammar_chars < 0:
+            raise ConfigError("config key 'llguidance.max_grammar_chars' must be 0 (no limit) or more")
         for key in ("compile_threads", "mask_threads"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"config key 'llguidance.{key}' must be at least 1")

@@ -223,7 +223,7 @@ def test_a_new_grammar_whose_masks_are_slow_is_marked_and_warned_of(caplog):
     assert GrammarCompiler(BYTES).slow_mask_s is None
 
 
-def test_constraint_for_request():
+def test_request_grammar_and_its_constraint():
     compiler = GrammarCompiler(BYTES)
 
     class Request:
@@ -232,14 +232,29 @@ def test_constraint_for_request():
         guided_json = guided_choice = guided_grammar = guided_whitespace_pattern = None
         guided_regex = "[ab]+"
 
-    constraint = run(compiler.constraint_for_request(Request()))
-    assert constraint.matcher.consume_tokens(list(b"abba"))
+    found = compiler.request_grammar(Request())
+    constraint = run(compiler.constraint(found.grammar, found.param))
+    assert found.param == "guided_regex" and constraint.matcher.consume_tokens(list(b"abba"))
     Request.guided_regex = None
-    assert run(compiler.constraint_for_request(Request())) is None
+    assert compiler.request_grammar(Request()) is None
     Request.guided_regex = "(unclosed"
+    found = compiler.request_grammar(Request())
     with pytest.raises(GrammarRequestError) as error:
-        run(compiler.constraint_for_request(Request()))
+        run(compiler.constraint(found.grammar, found.param))
     assert error.value.param == "guided_regex" and "unclosed" in error.value.message
+
+
+def test_a_grammar_past_max_grammar_chars_is_refused_before_it_compiles():
+    compiled: list[str] = []
+    compiler = GrammarCompiler(BYTES, max_grammar_chars=200, on_miss=compiled.append)
+    short, long = json_schema_grammar({"type": "string"}), json_schema_grammar({"enum": ["x" * 200]})
+    assert run(compiler.constraint(short, "response_format.json_schema")).matcher.consume_tokens(list(b'"a"'))
+    with pytest.raises(GrammarRequestError) as error:
+        run(compiler.constraint(long, "response_format.json_schema"))
+    assert error.value.param == "response_format.json_schema"
+    assert f"{len(long)} characters" in error.value.message and "llguidance.max_grammar_chars" in error.value.message
+    assert compiled == [short]  # the long one never reached llguidance
+    assert run(GrammarCompiler(BYTES).constraint(long, "response_format.json_schema")).error is None  # 0: no limit
 
 
 def tiny_hf_tokenizer() -> PreTrainedTokenizerFast:

@@ -128,16 +128,21 @@ def test_fields_past_their_limits_are_400s_before_any_work(hardened: BentoServer
     assert_400(post(hardened, "/v1/chat/completions", chat(tools=[tool] * (MAX_TOOLS + 1))), "tools")
 
 
-@pytest.mark.parametrize("kind", ["completion", "tokenize", "chat"])
-def test_livez_answers_while_a_huge_allowed_prompt_is_processed(hardened: BentoServer, kind: str) -> None:
+@pytest.mark.parametrize("kind", ["completion", "tokenize", "chat", "schema"])
+def test_livez_answers_while_a_huge_allowed_input_is_processed(hardened: BentoServer, kind: str) -> None:
     words = " ".join(random.Random(0).choice(["alpha", "beta", "gamma", "delta"]) for _ in range(400_000))
     if kind == "completion":  # tokenized, then refused for the context length
         path, body = "/v1/completions", completion(words)
     elif kind == "tokenize":
         path, body = "/v1/tokenize", {"model": MODEL, "prompt": words}
-    else:  # the chat template over many long messages, then the tokenizer
+    elif kind == "chat":  # the chat template over many long messages, then the tokenizer
         messages = [{"role": "user", "content": words[i: i + 1000]} for i in range(0, 2_000_000, 1000)]
         path, body = "/v1/tokenize", {"model": MODEL, "messages": messages}
+    else:  # a schema of 3.8 MB: its copy with number bounds and its grammar text, then refused for its length
+        numbers = {f"q{j}": {"type": "number"} for j in range(8)}
+        schema = {"type": "object", "properties": {f"p{i}": {"type": "object", "properties": numbers} for i in range(15000)}}
+        path, body = "/v1/chat/completions", chat(response_format={"type": "json_schema",
+                                                                   "json_schema": {"name": "big", "schema": schema}})
     latencies: list[float] = []
     done = threading.Event()
 
@@ -160,6 +165,8 @@ def test_livez_answers_while_a_huge_allowed_prompt_is_processed(hardened: BentoS
         done.set()
         prober.join(timeout=30)
     assert response.status_code in (200, 400) and response.status_code < 500, response.text[:300]
+    if kind == "schema":
+        assert "llguidance.max_grammar_chars" in assert_400(response, "response_format.json_schema")["message"]
     assert took > MIN_WORK_S, f"the work took only {took:.2f} s: too little to show a stall"
     # Held on the event loop, the work stalled /livez for all of it (2-5 s here: the probe in flight when
     # it started waited until it ended); off it, what is left is parsing the body and CPU time shared

@@ -24,7 +24,7 @@ from llgtrt_core.api.protocol import (
     random_id,
 )
 from llgtrt_core.api.reasoning import request_section, with_template_switch, with_thinking
-from llgtrt_core.api.sampling import check_request
+from llgtrt_core.api.sampling import build_request_grammar, check_request
 from llgtrt_core.api.serving import DoneTerminatedWriter, Generation, completion_tokens, serve
 from llgtrt_core.api.streaming import TEXT_PLACEHOLDER, TextEvents, sse_event
 from llgtrt_core.api.tool_calls import ChoiceToolOutput, keeps_special_tokens, request_tool_plan, tool_constraint
@@ -69,7 +69,8 @@ async def plan_chat(request: ChatCompletionRequest, runtime: ModelRuntime) -> Ch
     tools = request_tool_plan(request, runtime)
     prompt_ids = await chat_prompt_ids(request, runtime, tools)
     reasoning = request_section(request, runtime, [prompt_ids], "messages")
-    grammar = with_thinking(reasoning, await tool_constraint(tools, request, runtime), request, runtime)
+    answer = await build_request_grammar(request, runtime)
+    grammar = with_thinking(reasoning, await tool_constraint(tools, answer, runtime) or answer, runtime)
     if keeps_special_tokens(tools, runtime.tokenizer):
         request = request.model_copy(update={"skip_special_tokens": False})
     return ChatPlan(request, prompt_ids, tools, grammar, reasoning)

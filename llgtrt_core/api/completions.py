@@ -22,7 +22,7 @@ from llgtrt_core.api.protocol import (
     random_id,
 )
 from llgtrt_core.api.reasoning import request_section, with_thinking
-from llgtrt_core.api.sampling import check_request
+from llgtrt_core.api.sampling import build_request_grammar, check_request
 from llgtrt_core.api.serving import DoneTerminatedWriter, Generation, completion_tokens, serve, start_generation
 from llgtrt_core.api.streaming import TEXT_PLACEHOLDER, TextEvents, sse_event
 from llgtrt_core.constraints.request_grammar import RequestGrammar
@@ -32,11 +32,13 @@ from llgtrt_core.runtime import ModelRuntime
 
 async def _prompts(request: CompletionRequest, runtime: ModelRuntime
                    ) -> tuple[list[list[int]], Optional[RequestGrammar]]:
-    """The prompts, and the grammar of a thinking section before the answer (None: the request's own
-    constraint, if any). The text comes back whole, thinking and markers included (docs/reasoning.md)."""
+    """The prompts, and the request's grammar (None: free text), with a thinking section before the
+    answer when there is one. The text comes back whole, thinking and markers included
+    (docs/reasoning.md)."""
     check_request(request, runtime)
     prompts = await completion_prompt_ids(request, runtime.tokenizer, runtime.tokenizer.vocab_size)
-    return prompts, with_thinking(request_section(request, runtime, prompts, "prompt"), None, request, runtime)
+    section = request_section(request, runtime, prompts, "prompt")
+    return prompts, with_thinking(section, await build_request_grammar(request, runtime), runtime)
 
 
 async def completion_text(request: CompletionRequest, runtime: ModelRuntime) -> AsyncIterator[str]:

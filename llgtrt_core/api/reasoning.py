@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from llgtrt_core.api.errors import APIError
-from llgtrt_core.constraints import GrammarRequestError, RequestGrammar, request_grammar
+from llgtrt_core.constraints import RequestGrammar
 from llgtrt_core.constraints.reasoning_grammar import reasoning_grammar
 from llgtrt_core.reasoning import ReasoningSection, ReasoningSettings, prompt_state
 from llgtrt_core.runtime import ModelRuntime
@@ -79,18 +79,12 @@ def request_section(request: Any, runtime: ModelRuntime, prompts: Sequence[Seque
     return None if opened is None else ReasoningSection(settings, opened, budget)
 
 
-def with_thinking(section: Optional[ReasoningSection], answer: Optional[RequestGrammar], request: Any,
+def with_thinking(section: Optional[ReasoningSection], answer: Optional[RequestGrammar],
                   runtime: ModelRuntime) -> Optional[RequestGrammar]:
-    """The request's grammar with the thinking section before it. `answer` replaces the request's own
-    constraint (tools); without either the answer is free text."""
+    """The grammar of the answer (the request's own, or the tools'; None: free text) with the
+    thinking section before it."""
     if section is None:
         return answer
-    try:
-        if answer is None:
-            grammars = runtime.grammars
-            answer = request_grammar(request, grammars.json_whitespace_flexible, grammars.number_bounds)
-    except GrammarRequestError as e:
-        raise APIError(e.message, param=e.param) from e
     settings = section.settings
     text = reasoning_grammar(None if section.opened_by_prompt else settings.start, settings.end, section.budget,
                              answer.grammar if answer is not None else None, runtime.tokenizer.hf.get_added_vocab())

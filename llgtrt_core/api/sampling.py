@@ -6,6 +6,7 @@ naming the parameter: unsupported parameters, prompts longer than the context, b
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 from typing import Any, AsyncIterator, Optional, Union
@@ -16,7 +17,7 @@ from llgtrt_core.api.generation import ChoiceUpdate, TextOptions, merge, run_cho
 from llgtrt_core.api.limits import admit
 from llgtrt_core.api.protocol import ChatCompletionRequest, CompletionRequest
 from llgtrt_core.constraints.errors import GrammarRequestError
-from llgtrt_core.constraints.request_grammar import RequestGrammar
+from llgtrt_core.constraints.request_grammar import RequestGrammar, asks_for_grammar
 from llgtrt_core.engine.dry import DryParams, breaker_token_ids
 from llgtrt_core.engine.interface import Constraint, GenerationRequest, SamplingParams
 from llgtrt_core.runtime import ModelRuntime
@@ -41,18 +42,27 @@ def check_request(request: ApiRequest, runtime: ModelRuntime) -> None:
     check_request_size(request, runtime.limits)
 
 
-async def make_constraint(request: ApiRequest, runtime: ModelRuntime, grammar: Optional[RequestGrammar] = None,
-                          max_tokens: Optional[int] = None) -> Optional[Constraint]:
-    """The one place requests meet the grammar compiler (a fresh constraint for every choice of at
-    most `max_tokens`).
-
-    `grammar`, when given (tool calling), replaces the one the request's own fields ask for.
-    """
+async def build_request_grammar(request: ApiRequest, runtime: ModelRuntime) -> Optional[RequestGrammar]:
+    """The grammar the request's own fields ask for (None: free text), built once per request, on a
+    worker thread when there is one to build: a schema of megabytes takes seconds to copy and write."""
     try:
-        if grammar is not None:
-            return await runtime.grammars.constraint(grammar.grammar, grammar.param,
-                                                     runtime.grammars.loop_guard_for(request, max_tokens))
-        return await runtime.grammars.constraint_for_request(request, max_tokens)
+        if not asks_for_grammar(request):
+            return None
+        return await asyncio.to_thread(runtime.grammars.request_grammar, request)
+    except GrammarRequestError as e:  # a malformed schema or constraint field
+        raise APIError(str(e), param=e.param) from e
+
+
+async def make_constraint(request: ApiRequest, runtime: ModelRuntime, grammar: Optional[RequestGrammar],
+                          max_tokens: Optional[int] = None) -> Optional[Constraint]:
+    """The one place requests meet the grammar compiler: a fresh constraint of `grammar` (the
+    request's own, or what replaces it: tools, a thinking section) for every choice of at most
+    `max_tokens`; None when there is no grammar."""
+    if grammar is None:
+        return None
+    try:
+        return await runtime.grammars.constraint(grammar.grammar, grammar.param,
+                                                 runtime.grammars.loop_guard_for(request, max_tokens))
     except GrammarRequestError as e:  # bad schema / grammar: llguidance says what is wrong
         raise APIError(str(e), param=e.param) from e
 

@@ -9,6 +9,7 @@ through the same parser.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Optional
 
@@ -21,7 +22,7 @@ from llgtrt_core.api.protocol import (
     DeltaToolCall,
     FunctionCall,
 )
-from llgtrt_core.constraints import GrammarCompiler, GrammarRequestError, RequestGrammar, request_grammar
+from llgtrt_core.constraints import GrammarCompiler, GrammarRequestError, RequestGrammar
 from llgtrt_core.runtime import ModelRuntime
 from llgtrt_core.tokenizer import Tokenizer
 from llgtrt_core.tools import (
@@ -52,14 +53,17 @@ def keeps_special_tokens(plan: Optional[ToolPlan], tokenizer: Tokenizer) -> bool
     return plan is not None and plan.parses_calls and plan.format.trigger in tokenizer.hf.get_added_vocab()
 
 
-async def tool_constraint(plan: Optional[ToolPlan], request: Any, runtime: ModelRuntime) -> Optional[RequestGrammar]:
-    """The grammar that replaces the request's own constraint while tools may be called."""
+async def tool_constraint(plan: Optional[ToolPlan], answer: Optional[RequestGrammar], runtime: ModelRuntime
+                          ) -> Optional[RequestGrammar]:
+    """The grammar that replaces the request's own (`answer`) while tools may be called: under
+    tool_choice auto the answer is one of its branches. Its text is written on a worker thread
+    (each tool's schema, as the request's own)."""
     if plan is None or not plan.parses_calls:
         return None
     try:
-        answer = (request_grammar(request, runtime.grammars.json_whitespace_flexible, runtime.grammars.number_bounds)
-                  if plan.mode == "auto" else None)
-        text = tool_grammar(plan, runtime.tokenizer.hf.get_added_vocab(), answer.grammar if answer else None)
+        text = await asyncio.to_thread(tool_grammar, plan, runtime.tokenizer.hf.get_added_vocab(),
+                                       answer.grammar if answer is not None and plan.mode == "auto" else None)
+        runtime.grammars.check_length(text, TOOLS_PARAM)
         await compile_tool_grammar(runtime.grammars, plan, text)
     except GrammarRequestError as e:
         raise APIError(e.message, param=e.param) from e

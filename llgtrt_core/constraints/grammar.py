@@ -25,7 +25,8 @@ from llgtrt_core import metrics
 from llgtrt_core.constraints.errors import GrammarRequestError
 from llgtrt_core.constraints.loop_guard import LoopGuard, LoopGuardSettings
 from llgtrt_core.constraints.mask_probe import probe_cost, probe_grammar
-from llgtrt_core.constraints.request_grammar import NumberBounds, grammar_for_request, request_grammar
+from llgtrt_core.constraints.request_grammar import (NumberBounds, RequestGrammar, grammar_for_request,
+                                                       request_grammar)
 
 __all__ = [
     "CompiledGrammar",
@@ -164,6 +165,7 @@ class GrammarCompiler:
         loop_guard_by_default: bool = True,
         number_bounds: Optional[NumberBounds] = None,
         slow_mask_s: Optional[float] = None,
+        max_grammar_chars: int = 0,
     ) -> None:
         """on_miss(grammar): called when a grammar's compile starts (the service tells the engine
         process, which compiles it too, so that both compiles run at once). compiled_by_engine: the
@@ -171,7 +173,8 @@ class GrammarCompiler:
         new grammar's masks are probed in the background, and a mean past this marks it slow
         (`MaskCost`) and is logged as a warning (constraints/mask_probe.py), unless the engine
         compiles in its own process, which probes; None (a compiler outside the server, e.g. a
-        benchmark's): no probe."""
+        benchmark's): no probe. max_grammar_chars: a request's grammar text may be this long at most
+        (0: any length; `constraint`)."""
         self.tokenizer = ll_tokenizer
         self.json_whitespace_flexible = json_whitespace_flexible  # server default for JSON schemas
         self.loop_guard = loop_guard
@@ -182,6 +185,7 @@ class GrammarCompiler:
         self.log_level = log_level  # llguidance's stderr logging: 0 silent, 1 warnings
         self.on_miss = on_miss
         self.slow_mask_s = slow_mask_s
+        self.max_grammar_chars = max_grammar_chars
         self.compiled_by_engine = False
         self._cache: OrderedDict[str, Union[CompiledGrammar, _Failure]] = OrderedDict()
         self._pending: dict[str, concurrent.futures.Future] = {}
@@ -207,7 +211,8 @@ class GrammarCompiler:
                    loop_guard_by_default=guidance.loop_guard.enabled,
                    number_bounds=(NumberBounds(bounds.integer_digits, bounds.fraction_digits) if bounds.enabled
                                   else None),
-                   slow_mask_s=None if guidance.slow_mask_ms is None else guidance.slow_mask_ms / 1e3)
+                   slow_mask_s=None if guidance.slow_mask_ms is None else guidance.slow_mask_ms / 1e3,
+                   max_grammar_chars=guidance.max_grammar_chars)
 
     async def compile(self, grammar: str, param: str = "response_format") -> CompiledGrammar:
         """Validate and compile in a worker thread, or answer from the cache.
@@ -247,21 +252,29 @@ class GrammarCompiler:
             raise GrammarRequestError(param, result.message)
         return result
 
-    async def constraint_for_request(self, request: Any, max_tokens: Optional[int] = None) -> Optional[GrammarConstraint]:
-        """The request's fresh constraint, None when unconstrained; GrammarRequestError -> 400."""
-        found = request_grammar(request, self.json_whitespace_flexible, self.number_bounds)
-        if found is None:
-            return None
-        return await self.constraint(found.grammar, found.param, self.loop_guard_for(request, max_tokens))
+    def request_grammar(self, request: Any) -> Optional[RequestGrammar]:
+        """The grammar the request's own fields ask for, under this server's JSON defaults; None
+        when its output is free. GrammarRequestError -> 400. A big schema takes a while (its copy
+        and text): call it off the event loop."""
+        return request_grammar(request, self.json_whitespace_flexible, self.number_bounds)
 
     async def constraint(self, grammar: str, param: str, loop_guard: Optional[LoopGuardSettings] = None
                          ) -> GrammarText:
         """A request's fresh constraint: compiled (GrammarRequestError -> 400), or only the text
         when the engine compiles it in its own process and refuses it there (compiling here too
-        held each request back until every API worker had compiled its grammar once)."""
+        held each request back until every API worker had compiled its grammar once). A text past
+        `max_grammar_chars` is refused before either: it would be parsed holding the GIL and kept
+        in both caches."""
+        self.check_length(grammar, param)
         if self.compiled_by_engine:
             return GrammarText(grammar, param)
         return self.new_constraint(await self.compile(grammar, param), param, loop_guard=loop_guard)
+
+    def check_length(self, grammar: str, param: str) -> None:
+        """GrammarRequestError when `grammar` is longer than `max_grammar_chars`."""
+        if self.max_grammar_chars and len(grammar) > self.max_grammar_chars:
+            raise GrammarRequestError(param, f"the grammar built from it has {len(grammar)} characters, more than "
+                                             f"this server's {self.max_grammar_chars} (llguidance.max_grammar_chars)")
 
     def loop_guard_for(self, request: Any, max_tokens: Optional[int] = None) -> Optional[LoopGuardSettings]:
         """The request's `loop_guard` (true / false / null: the server default) for an answer of at

@@ -105,6 +105,12 @@ def request_grammar(request: Any, whitespace_flexible: bool = False,
     return RequestGrammar(param, _build_grammar(param, kind, value, policy))
 
 
+def asks_for_grammar(request: Any) -> bool:
+    """Whether the request's fields ask for a constraint (`request_grammar` builds it, or refuses
+    them); cheap: it builds nothing."""
+    return bool(_requested_forms(request))
+
+
 def _get(obj: Any, name: str) -> Any:
     if obj is None:
         return None
