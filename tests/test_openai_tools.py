@@ -196,6 +196,9 @@ def test_legacy_functions(openai_client, served_model) -> None:
 @pytest.mark.parametrize("kwargs, param", [
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "missing"}}), "tool_choice"),
     (dict(tool_choice="required"), "tool_choice"),
+    # Calls are forced and the answer's format does not apply, but its fields are still read.
+    (dict(tools=TOOLS, tool_choice="required", extra_body={"guided_regex": "a+", "guided_choice": ["x"]}),
+     "guided_choice"),
     (dict(tools=[{"type": "function", "function": {"name": "bad", "parameters": {
         "type": "object", "properties": {"x": {"type": "no-such-type"}}}}}]), "tools[0].function.parameters"),
     (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools[0].function.name"),
