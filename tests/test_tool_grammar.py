@@ -14,7 +14,9 @@ from prometheus_client import REGISTRY
 
 from llgtrt_core.api.tool_calls import compile_tool_grammar
 from llgtrt_core.constraints import GrammarCompiler, GrammarRequestError, request_grammar
-from llgtrt_core.tools import GENERIC_JSON, HERMES, LLAMA3_JSON, MISTRAL, ToolFormat, plan_tools, tool_grammar
+from llgtrt_core.tools import (GENERIC_JSON, HERMES, LLAMA3_JSON, MISTRAL, ToolFormat, arguments_grammar, plan_tools,
+                               tool_grammar)
+from llgtrt_core.tools.grammar import ARGUMENTS_JSON_STYLE
 from llgtrt_core.constraints.lark_parts import literal
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -118,3 +120,13 @@ def test_a_failing_tool_grammar_names_the_tool_at_fault(tokenizers) -> None:
     with pytest.raises(GrammarRequestError) as caught:
         asyncio.run(compile_tool_grammar(GrammarCompiler(tokenizers[1]), plan, tool_grammar(plan, {})))
     assert caught.value.param == "tools[1].function.parameters" and "no-such-type" in caught.value.message
+
+
+@pytest.mark.parametrize("own", [None, {"key_separator": ":", "whitespace_flexible": True}])
+def test_arguments_grammar_merges_json_options_as_llguidance_would(own):
+    """The arguments' JSON style merged here, not by llguidance's `grammar_from_json_schema`."""
+    parameters = dict(WEATHER["function"]["parameters"], **({} if own is None else {"x-guidance": own}))
+    (tool,) = plan_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}]},
+                         HERMES).callable_tools
+    theirs = json.loads(LLMatcher.grammar_from_json_schema(parameters, defaults=ARGUMENTS_JSON_STYLE))
+    assert arguments_grammar(tool) == {"json_schema": theirs["grammars"][0]["json_schema"]}

@@ -243,9 +243,7 @@ def _text(value: Any, param: str) -> str:
 
 def json_schema_grammar(schema: Any, policy: JsonPolicy = JsonPolicy(), param: str = "response_format") -> str:
     """Grammar for a JSON schema (dict or JSON text) under the bounded-whitespace default: the
-    schema with its JSON options merged as llguidance's `grammar_from_json_schema` merges them (the
-    server's default, then the schema's own `x-guidance`, then the request's), written by Python's
-    JSON encoder, which is faster than that function's walk of the schema (under the GIL)."""
+    schema with its JSON options (`with_json_options`), written by Python's JSON encoder."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -261,16 +259,24 @@ def json_schema_grammar(schema: Any, policy: JsonPolicy = JsonPolicy(), param: s
         schema = close_objects(schema)
     if policy.number_bounds is not None:
         schema = bound_numbers(schema, policy.number_bounds)
-    own = schema.get("x-guidance")
-    options = {"whitespace_flexible": policy.whitespace_flexible, **(own if isinstance(own, dict) else {}),
-               **(policy.overrides() or {})}
     try:
-        text = json.dumps({**schema, "x-guidance": options}, separators=(",", ":"), allow_nan=False)
+        text = json.dumps(with_json_options(schema, {"whitespace_flexible": policy.whitespace_flexible},
+                                            policy.overrides()), separators=(",", ":"), allow_nan=False)
     except (ValueError, TypeError) as e:  # NaN or Infinity, which JSON has not; a value of no JSON type
         raise GrammarRequestError(param, f"the schema is not valid JSON: {e}") from e
     except RecursionError as e:
         raise GrammarRequestError(param, "the schema nests too deeply") from e
     return f'{{"grammars":[{{"json_schema":{text}}}]}}'
+
+
+def with_json_options(schema: dict[str, Any], defaults: dict[str, Any],
+                      overrides: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """`schema` with its llguidance JSON options (`x-guidance`) merged as llguidance's
+    `grammar_from_json_schema` merges them: `defaults`, then the schema's own, then `overrides`.
+    That function walks the whole schema holding the GIL (seconds for a schema of megabytes); this
+    copies its top level only."""
+    own = schema.get("x-guidance")
+    return {**schema, "x-guidance": {**defaults, **(own if isinstance(own, dict) else {}), **(overrides or {})}}
 
 
 def choice_grammar(choices: Any, param: str = "choice") -> str:

@@ -16,11 +16,10 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, Optional
 
-from llguidance import LLMatcher
-
 from llgtrt_core.constraints.lark_parts import literal, named_subgrammars
+from llgtrt_core.constraints.request_grammar import with_json_options
 from llgtrt_core.tools.formats import ToolFormat
-from llgtrt_core.tools.spec import ToolPlan, ToolSpec, ToolRequestError
+from llgtrt_core.tools.spec import ToolPlan, ToolSpec
 
 ARGUMENTS_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ANSWER = "tool_answer"
@@ -30,11 +29,7 @@ _FREE_TEXT_NO_BRACE = "TOOL_FREE_TEXT: /([^{](.|\\n)*)?/"  # bare-JSON families:
 
 def arguments_grammar(tool: ToolSpec) -> dict[str, Any]:
     """The tool's arguments schema as an llguidance sub-grammar (the caller names it)."""
-    try:
-        compiled = json.loads(LLMatcher.grammar_from_json_schema(tool.parameters, defaults=ARGUMENTS_JSON_STYLE))
-    except ValueError as e:
-        raise ToolRequestError(f"{tool.param}.parameters", str(e)) from e
-    return {"json_schema": compiled["grammars"][0]["json_schema"]}
+    return {"json_schema": with_json_options(tool.parameters, ARGUMENTS_JSON_STYLE)}
 
 
 def tool_grammar(plan: ToolPlan, added_tokens: Mapping[str, int], answer_grammar: Optional[str] = None) -> str:
