@@ -159,15 +159,13 @@ class ConstraintStage:
             if row.row < len(constraints) and constraints[row.row] is row.constraint:
                 placed.append(row)
                 continue
-            if index is None:
-                index = dict(zip(map(id, constraints), range(len(constraints))))
+            index = index or _rows_by_constraint(constraints)
             now = index.get(id(row.constraint))
             placed.append(None if now is None else ConstrainedRow(row.constraint, now, None))
         rows, apart, new_apart = [], [], []
         held = len(placed) - placed.count(None)
         if self._apart:  # filled apart, their masks on the way (never in the fill begun ahead): a few rows
-            if index is None:
-                index = dict(zip(map(id, constraints), range(len(constraints))))
+            index = index or _rows_by_constraint(constraints)
             apart = sorted((ConstrainedRow(constraints[i], i, running[i].uncommitted_token)
                             for i in map(index.get, self._apart) if i is not None), key=_ROW)
             self._forget_apart(index)
@@ -224,6 +222,11 @@ class ConstraintStage:
         """The row's mask filled apart, waited for: its job's row (1, words)."""
         job, j = self._apart.pop(id(constraint))
         return job.result()[j:j + 1]
+
+
+def _rows_by_constraint(constraints: list[Optional[Constraint]]) -> dict[int, int]:
+    """Each running row's index by its constraint's id (a C-level pass: the engine thread's)."""
+    return dict(zip(map(id, constraints), range(len(constraints))))
 
 
 def _with_tokens(rows: list[ConstrainedRow], tokens: Seq[int]) -> list[ConstrainedRow]:
