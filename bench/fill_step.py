@@ -1,7 +1,8 @@
 """The mask-fill thread's host work per step at a full batch, on the CPU, phase by phase.
 
 What `MaskPostProcessor.fill` does on the server's fill thread each step (commit each row's token,
-compute the masks, settle failed rows, steer the looping rows and those near their length limit),
+compute the masks, settle failed rows, steer the looping rows; the rows near their length limit are
+narrowed in `upload`, by a CUDA kernel on a GPU, not timed here),
 without a model or a GPU: `--rows` rows of MaskBench schemas drawn at random from the whole pool
 (seed printed), compiled as the server compiles a `response_format` json_schema for the Llama 3
 tokenizer, each with the server's loop guard for `--max-tokens`. Each step every row's token is drawn
@@ -54,6 +55,8 @@ from llgtrt_core.constraints.postprocessor import MaskPostProcessor  # noqa: E40
 from llgtrt_core.engine.interface import ConstrainedRow, LoopGuardSettings  # noqa: E402
 from llgtrt_core.engine.step_profile import GcPauses  # noqa: E402
 from llgtrt_core.engine.torch_engine import GIL_SWITCH_INTERVAL_CUDA_S  # noqa: E402
+
+CPU = torch.device("cpu")
 
 
 def gc_report(pauses: GcPauses, steps: int) -> str:
@@ -154,8 +157,8 @@ def main() -> None:
                 row_apart.append([row.constraint.mask_cost.slow for row in rows])
                 row_times.append(fill_row_by_row(rows, host))
                 masks = host.numpy()
-            else:
-                masks = processor.fill(rows).numpy()
+            else:  # as the sampler sees them: uploaded (the closing rows narrowed; on a GPU by a kernel)
+                masks = processor.upload(rows, processor.fill(rows), CPU)[0].numpy()
             for j, row in enumerate(rows):
                 token = draw_allowed(masks[j].view(np.uint8), rng)
                 token = EOT_ID if token is None else token

@@ -35,16 +35,21 @@ from llgtrt_core.engine.interface import ConstrainedRow  # noqa: E402
 VOCAB = 49152  # SmolLM2's
 
 
-class Row:  # the two attributes the loop guard reads of a constraint
+class Row:  # the attributes the loop guard reads and writes of a constraint
     def __init__(self, guard):
         self.loop_guard = guard
         self.error = None
+        self.closing = False
 
 
 def steer(masks: torch.Tensor, rows: list[ConstrainedRow], escapes: EscapeMasks) -> None:
-    """The loop guard's whole work for a step's rows, as the fill does it (`loop_steering` while the
-    masks are computed, then `steer_loops`)."""
+    """The loop guard's whole host work for a step's rows on the CPU engine: the fill's
+    (`loop_steering` while the masks are computed, then `steer_loops`), then the upload's narrowing
+    of the rows near their length limit (a GPU's upload runs a CUDA kernel instead)."""
     steer_loops(rows, masks, loop_steering(rows, escapes), escapes)
+    closing = [j for j, row in enumerate(rows) if row.constraint.closing]
+    if closing:
+        escapes.narrow(masks, closing, [False] * len(closing))
 
 
 def per_row_step(rows: int, steps: int, guarded: bool, seed: int) -> float:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import llguidance
+import numpy as np
 import pytest
 import torch
 from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
 from llgtrt_core.constraints import GrammarCompiler, GrammarConstraint
+from llgtrt_core.constraints.loop_guard import EscapeMasks, _mask_row
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor, eos_only_mask
 from llgtrt_core.engine.interface import ConstrainedRow
 
@@ -207,3 +209,63 @@ def test_an_upload_keeps_its_device_masks_until_the_work_queued_before_the_next_
     for host, (device_masks, device_rows) in zip(hosts, reads):
         assert torch.equal(device_masks.cpu(), host)
         assert device_rows.tolist() == [0, 1, 2, 3]
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                 reason="needs CUDA")])]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_the_cuda_narrowing_to_endings_matches_the_host_narrowing(seed):
+    """On a GPU `upload` narrows the masks of rows near their length limit with a CUDA kernel
+    (`narrow_to_endings`); the fill's numpy `narrow` is the reference. Random masks over a
+    vocabulary with words, newlines and every escape class, inside and outside strings."""
+    from llgtrt_core.kernels import narrow_to_endings
+
+    rng = np.random.default_rng(seed)
+    texts = ["ab", " word", "x", "1", '"', '",', '"]', '"}', "]", "}", ",", "]}", "\n", "a\nb", "{", "["] * 300
+    words = (len(texts) + 31) // 32
+    escapes = EscapeMasks(texts, [3], words)
+    # Each row allows each token with a chance of its own: from a few tokens to nearly all.
+    allowed = rng.random((64, len(texts))) < rng.choice([0.001, 0.003, 0.01, 0.1, 0.9], size=(64, 1))
+    host = torch.from_numpy(np.stack([_mask_row(np.flatnonzero(row).tolist(), words) for row in allowed]))
+    positions = sorted(rng.choice(64, 48, replace=False).tolist())
+    expected = host.clone()
+    escapes.narrow(expected, positions, [False] * len(positions))
+    on_device = host.cuda()
+    tables, string_classes = escapes.ending_tables()
+    narrow_to_endings(on_device, torch.tensor(positions, device="cuda"), torch.from_numpy(tables).cuda(),
+                      string_classes)
+    assert torch.equal(on_device.cpu(), expected)
+    assert (expected != host).any(1).sum() >= 5  # rows were narrowed
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_upload_narrows_the_masks_of_rows_near_their_length_limit_only(device):
+    """A row near its length limit gets the grammar's mask narrowed to the nearest ending at the
+    upload (the host buffer on CPU, a kernel on CUDA); a row far from it keeps the grammar's own."""
+    from llgtrt_core.constraints.request_grammar import json_schema_grammar
+    from llgtrt_core.engine.interface import LoopGuardSettings
+
+    compiler = GrammarCompiler(BYTES)
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}},
+              "required": ["a"], "additionalProperties": False}
+    compiled = asyncio.run(compiler.compile(json_schema_grammar(schema)))
+    near = compiler.new_constraint(compiled, loop_guard=LoopGuardSettings(max_tokens=12, closing_margin=1))
+    far = compiler.new_constraint(compiled, loop_guard=LoopGuardSettings(max_tokens=1000))
+    processor = MaskPostProcessor(BYTES, max_batch_size=2, num_threads=1)
+    tokens = [None, *b'{"a":[1,2,3']  # 11 of max_tokens 12: one left, two brackets open
+    for token in tokens:
+        rows = [ConstrainedRow(near, 1, token), ConstrainedRow(far, 0, token)]
+        host = processor.fill(rows)
+        grammars_own = host.clone()
+        masks, indices = processor.upload(rows, host, torch.device(device))
+        masks = masks.cpu()
+    assert near.closing and not far.closing
+    assert indices.tolist() == [1, 0]
+    allowed_near = {t for t in range(VOCAB) if (int(masks[0, t // 32]) >> (t % 32)) & 1}
+    assert allowed_near == {ord("]")}  # the array's closing bracket, not a digit, "," or a space
+    assert torch.equal(masks[1], grammars_own[1])
+    assert not torch.equal(masks[0], grammars_own[0])

@@ -41,6 +41,19 @@ def allowed(mask_row) -> list[int]:
     return [word * 32 + bit for word, value in enumerate(mask_row.tolist()) for bit in range(32) if (value >> bit) & 1]
 
 
+@dataclasses.dataclass
+class Guarded:  # what the loop guard reads and writes of a constraint
+    loop_guard: LoopGuard
+    error: Optional[str] = None
+    closing: bool = False
+
+
+def step_masks(processor: MaskPostProcessor, rows: list[ConstrainedRow]) -> torch.Tensor:
+    """A step's masks as the CPU engine samples with them: filled, then uploaded (which narrows the
+    masks of rows near their length limit)."""
+    return processor.upload(rows, processor.fill(rows), torch.device("cpu"))[0]
+
+
 def stubborn_model(parts, hf_tokenizer, schema: dict, prefix: str, unit: str, guard: Optional[LoopGuardSettings],
                    fast_forward: bool = False) -> tuple[str, str]:
     """Decode with a 'model' that always wants to write `prefix` then `unit` forever: it takes its
@@ -57,7 +70,7 @@ def stubborn_model(parts, hf_tokenizer, schema: dict, prefix: str, unit: str, gu
         if fast_forward:  # the PyTorch engine's path: commits go through commit_with_forced
             out += processor.commit_with_forced(constraint, token, 0)
             token = None
-        mask = allowed(processor.fill([ConstrainedRow(constraint, 0, token)])[0])
+        mask = allowed(step_masks(processor, [ConstrainedRow(constraint, 0, token)])[0])
         assert constraint.error is None
         want = wanted[len(out)] if len(out) < len(wanted) else None
         token = want if want in mask else mask[0]
@@ -109,7 +122,7 @@ def test_an_answer_that_does_not_loop_keeps_the_grammars_masks(parts, hf_tokeniz
     guarded, plain = compiler.new_constraint(compiled, loop_guard=settings), compiler.new_constraint(compiled)
     token = None
     for next_token in [*tokens, None]:
-        masks = processor.fill([ConstrainedRow(guarded, 0, token), ConstrainedRow(plain, 1, token)])
+        masks = step_masks(processor, [ConstrainedRow(guarded, 0, token), ConstrainedRow(plain, 1, token)])
         assert masks[0].equal(masks[1])
         token = next_token
     assert not guarded.loop_guard.escaping and not guarded.loop_guard.closing
@@ -204,11 +217,11 @@ def test_free_text_before_the_answer_is_never_steered(parts, hf_tokenizer):
     thinking = "<think>" + 'He said "no", then\n' * 40
     token = None
     for next_token in hf_tokenizer.encode(thinking, add_special_tokens=False)[:59]:
-        masks = processor.fill([ConstrainedRow(guarded, 0, token), ConstrainedRow(plain, 1, token)])
+        masks = step_masks(processor, [ConstrainedRow(guarded, 0, token), ConstrainedRow(plain, 1, token)])
         assert masks[0].equal(masks[1])
         token = next_token
     # Near the limit and looping: the limit is checked while a loop's escape is pending too.
-    assert guarded.loop_guard.closing and guarded.loop_guard.escaping
+    assert guarded.loop_guard.closing and guarded.loop_guard.escaping and guarded.closing
 
 
 
@@ -236,14 +249,9 @@ def test_a_row_that_fails_while_its_mask_is_computed_is_not_steered():
     texts = ["word", '"', "1", "}", ","]
     escapes = EscapeMasks(texts, [], 1)
 
-    @dataclasses.dataclass
-    class Guarded:  # what the loop guard reads of a constraint
-        loop_guard: LoopGuard
-        error: Optional[str] = None
-
-    constraints = [Guarded(LoopGuard(LoopGuardSettings(max_tokens=10))) for _ in range(2)]
+    constraints = [Guarded(LoopGuard()) for _ in range(2)]
     for constraint in constraints:
-        constraint.loop_guard.observe_all([2] * 8)  # a number, one token from its limit of ten
+        constraint.loop_guard.observe_all([2] * 40)  # a number looping: "1111..."
     rows = [ConstrainedRow(constraint, j, 2) for j, constraint in enumerate(constraints)]
     steering = loop_steering(rows, escapes)
     assert [j for j, _, _ in steering] == [0, 1]
@@ -251,6 +259,18 @@ def test_a_row_that_fails_while_its_mask_is_computed_is_not_steered():
     masks = torch.tensor([[0b11100], [0b11100]], dtype=torch.int32)  # "1", "}", ","
     steer_loops(rows, masks, steering, escapes)
     assert masks[:, 0].tolist() == [0b11100, 0b01000]  # the failed row untouched; the other: `}`
+
+
+def test_a_row_near_its_length_limit_is_marked_closing_and_left_to_the_upload():
+    """The fill steers looping rows' host masks; a row near its length limit is marked `closing`
+    on its constraint (for good) and its mask is narrowed where the masks are uploaded."""
+    escapes = EscapeMasks(["word", '"', "1", "}", ","], [], 1)
+    near, looping = Guarded(LoopGuard(LoopGuardSettings(max_tokens=10))), Guarded(LoopGuard())
+    near.loop_guard.observe_all([2] * 8)  # one token from its limit of ten
+    looping.loop_guard.observe_all([2] * 40)
+    steering = loop_steering([ConstrainedRow(near, 0, 2), ConstrainedRow(looping, 1, 2)], escapes)
+    assert [j for j, _, _ in steering] == [1]
+    assert near.closing and not looping.closing
 
 
 def test_a_row_whose_only_word_lies_outside_the_sampled_mask_words_is_still_inside_a_string():

@@ -124,7 +124,7 @@ class GrammarText:
 class GrammarConstraint(GrammarText):
     """One request's matcher state, for an engine in this process."""
 
-    __slots__ = ("matcher", "loop_guard", "start_forced", "mask_cost")
+    __slots__ = ("matcher", "loop_guard", "start_forced", "mask_cost", "closing")
 
     def __init__(self, matcher: LLMatcher, grammar: str = "", param: Optional[str] = None,
                  loop_guard: Optional[LoopGuard] = None, start_forced: Optional[tuple[int, ...]] = None,
@@ -134,6 +134,9 @@ class GrammarConstraint(GrammarText):
         self.start_forced = start_forced  # CompiledGrammar.start_forced, while the matcher is at its start
         self.loop_guard = loop_guard  # steers the answer out of a loop (constraints/loop_guard.py)
         self.mask_cost = mask_cost or MaskCost()  # its grammar's, once probed
+        # Near its length limit (its loop guard's `closing`, for good): the post-processor narrows its
+        # masks where it uploads them. A plain attribute: read for every row of every upload.
+        self.closing = False
 
 
 def _first_mask_error(message: str) -> str:

@@ -10,10 +10,14 @@ without trying every period.
 
 Steering never leaves the grammar: the row's mask is ANDed with a class of tokens that end
 things (`EscapeMasks`), and only when that leaves something allowed; otherwise it waits for a
-step where it does. A loop inside a string or a number (no JSON punctuation in its period) is
-left by one token that ends the value (`"`, `,`, `]`, `}` or EOS, alone or together); a loop
-over items or keys by one that closes a container (`]`, `}`, maybe after a `"`) or EOS. Once a
-steered token is taken the guard watches again from scratch.
+step where it does. The fill narrows a looping row's host mask (`steer_loops`); a row near
+its length limit (below) is marked `closing` on its constraint, and the post-processor narrows
+its mask where it uploads the masks (on a GPU, one CUDA kernel after the copy: on their last
+steps every row of a batch may be near its limit, docs/benchmarks/engine.md "Session 30").
+A loop inside a string or a number (no JSON punctuation in its period) is left by one token
+that ends the value (`"`, `,`, `]`, `}` or EOS, alone or together); a loop over items or keys
+by one that closes a container (`]`, `}`, maybe after a `"`) or EOS. Once a steered token is
+taken the guard watches again from scratch.
 
 What no period check sees (items that differ a little each time, a recursion that opens the same
 object again, a string that never closes, an array of ever new items) is caught by the length
@@ -123,11 +127,9 @@ class LoopGuard:
         return self.tokens[len(self.tokens) - self._period:]
 
     def steering(self, escapes: "EscapeMasks") -> Optional[bool]:
-        """A row escaping a loop or near its limit, before its mask is steered: whether the loop
-        is over items or keys (near the limit: steered as out of a value loop, to the nearest
-        ending), or None when this step steers nothing (the container the loop ran in closed)."""
-        if self.closing:
-            return False
+        """A row escaping a loop (not near its limit), before its mask is steered: whether the loop
+        is over items or keys, or None when this step steers nothing (the container the loop ran
+        in closed)."""
         if self._structural is None:
             self._start_escape(escapes)
         if self._structural:
@@ -142,7 +144,7 @@ class LoopGuard:
         """After the mask was steered (narrowed: to an escape class; not: none is allowed here, the
         next step tries again). A loop in a value is over once a token ending the value is taken;
         a loop over items or keys once its container is closed (`steering` sees that)."""
-        if narrowed and not structural and not self.closing:
+        if narrowed and not structural:
             self._stop_escape()
 
     def _start_escape(self, escapes: "EscapeMasks") -> None:
@@ -264,6 +266,18 @@ class EscapeMasks:
             host[kept[:, None], self.class_words] = kept_words
         return narrowed
 
+    def ending_tables(self) -> tuple[np.ndarray, int]:
+        """What the CUDA kernel narrowing rows near their length limit reads (`kernels.narrow_to_endings`,
+        the GPU's `narrow` for a row that loops over no items): (2 + classes, words) int32 rows, the
+        word tokens, the newline tokens, then each class's tokens; and a bit per class a row inside
+        a string may take. The kernel takes the first class allowed in index order, which is
+        `_classes_to_try`'s order for such a row, inside a string and outside."""
+        assert list(self._value_loop_order) == list(range(len(self.class_bits)))
+        assert list(self._string_order) == sorted(self._string_order)
+        classes = np.zeros((len(self.class_bits), len(self.words)), dtype=np.int32)
+        classes[:, self.class_words] = self.class_bits
+        return np.concatenate([self.words[None], self.newlines[None], classes]), sum(1 << c for c in self._string_order)
+
     def _classes_to_try(self, in_string: bool, free_text: bool, loop_over_items: bool) -> tuple[int, ...]:
         """Indices into `_class_rows`, in order. Inside a string (only there does the grammar allow
         plain words), its closing quote; in free text (words and a raw newline, which no JSON
@@ -284,14 +298,18 @@ Steering = list[tuple[int, LoopGuard, bool]]  # (index in the step's rows, its g
 
 
 def loop_steering(rows: Sequence[ConstrainedRow], escapes: EscapeMasks) -> Steering:
-    """Each guarded row observes the token it committed; the rows whose masks this step steers
-    (escaping a loop or near their limit). It reads no mask, so the fill runs it while llguidance
-    computes the masks. A row without a guard costs one lookup."""
+    """Each guarded row observes the token it committed; the rows whose masks this step steers out
+    of a loop. A row near its length limit is marked `closing` on its constraint instead (for good:
+    its masks are narrowed where they are uploaded). It reads no mask, so the fill runs it while
+    llguidance computes the masks. A row without a guard costs one lookup."""
     steering: Steering = []
     for j, row in enumerate(rows):
         constraint = row.constraint
         guard = constraint.loop_guard  # type: ignore[attr-defined]
         if guard is None or constraint.error is not None or not guard.steers(row.new_token, escapes):
+            continue
+        if guard.closing:
+            constraint.closing = True  # type: ignore[attr-defined]
             continue
         structural = guard.steering(escapes)
         if structural is not None:

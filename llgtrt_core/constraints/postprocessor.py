@@ -14,6 +14,9 @@ grammar forces next, committed too, for it to feed without sampling.
 Rows whose grammar is slow (probed at compile, `MaskCost`) can be filled apart (`fill_apart`, on
 another thread and a small pool of their own), so the batch's fill does not wait for them; the
 engine then takes their masks, when ready, into the step's buffer (`extend`).
+The loop guards (constraints/loop_guard.py) steer a looping row's host mask in the fill; the
+masks of rows near their length limit are narrowed to the nearest ending in `upload`, on the GPU
+when the masks go there.
 
 A row whose token is rejected, or whose matcher fails (e.g. a parser limit mid-generation),
 gets its constraint's `error` set and a mask allowing EOS only; the engine ends that request
@@ -23,11 +26,14 @@ only, so the sequence ends with the model's EOS (finish_reason "stop").
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 from llguidance import LLExecutor, LLTokenizer
 from llguidance.torch import allocate_token_bitmask
@@ -37,7 +43,7 @@ from llgtrt_core.constraints.grammar import GrammarConstraint, MaskCost
 from llgtrt_core.constraints.loop_guard import EscapeMasks, Steering, loop_steering, steer_loops
 from llgtrt_core.engine.interface import ConstrainedRow, Constraint
 from llgtrt_core.engine.step_profile import StepPhases
-from llgtrt_core.kernels import apply_token_bitmask_inplace
+from llgtrt_core.kernels import apply_token_bitmask_inplace, cuda_kernel_available, narrow_to_endings
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +137,7 @@ class MaskPostProcessor:
     ) -> None:
         """Mask `logits` rows in place with the masks `fill` returned, on `stream` when on CUDA."""
         if not logits.is_cuda and len(rows) == logits.shape[0] and all(row.row == j for j, row in enumerate(rows)):
+            self._narrow_closing_on_host(masks, _closing_positions(rows))
             apply_token_bitmask_inplace(logits, masks)  # the whole batch: no row indirection
             return
         device_masks, device_rows = self.upload(rows, masks, logits.device, stream)
@@ -145,19 +152,35 @@ class MaskPostProcessor:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The masks `fill` returned and their logits row indices, on `device`: on CUDA copied
         asynchronously (`DeviceCopies`), for work queued on `stream` (the compute stream) before the
-        next upload; on CPU the host buffers themselves, valid until the next `fill` and `upload`."""
+        next upload; on CPU the host buffers themselves, valid until the next `fill` and `upload`.
+        The masks of rows near their length limit (`closing`) are narrowed to the nearest ending
+        here: on CUDA by a kernel queued on `stream` after the copy, else in the host buffer."""
         count = len(rows)
-        indices = self._host_rows[:count]
-        indices.numpy()[:] = [row.row for row in rows]  # straight into the (pinned) buffer: no tensor built
+        closing = _closing_positions(rows)
+        on_device = device.type == "cuda" and cuda_kernel_available()
+        if not on_device:
+            self._narrow_closing_on_host(masks, closing)
+            closing = []
+        # One buffer, one copy: the rows' logits indices, then the positions of the rows to narrow.
+        indices = self._host_rows[:count + len(closing)]
+        indices.numpy()[:] = [row.row for row in rows] + closing  # straight into the (pinned) buffer
         if device.type != "cuda":
             return masks, indices
         stream = stream or torch.cuda.current_stream(device)
         if self._device is None or self._device.device != device or self._device.capacity < count:
             if self._device is not None:
                 torch.cuda.synchronize(self._device.device)  # queued work may still read the old buffers
-            self._device = DeviceCopies(device, max(count, self._capacity), self._host_masks.shape[1])
-        device_masks, device_rows, self._copy_done = self._device.copy(masks, indices, stream)
-        return device_masks, device_rows
+            self._device = DeviceCopies(device, max(count, self._capacity), self._host_masks.shape[1],
+                                        self._escapes.ending_tables())
+        device_masks, device_indices, self._copy_done = self._device.copy(masks, indices, stream)
+        if closing:
+            with torch.cuda.stream(stream):
+                narrow_to_endings(device_masks, device_indices[count:], *self._device.ending_tables)
+        return device_masks, device_indices[:count]
+
+    def _narrow_closing_on_host(self, masks: torch.Tensor, closing: list[int]) -> None:
+        if closing:
+            self._escapes.narrow(masks, closing, [False] * len(closing))
 
     def commit_with_forced(self, constraint: Constraint, token: Optional[int], limit: int,
                            stop_token_ids: frozenset[int] = frozenset()) -> list[int]:
@@ -297,7 +320,7 @@ class MaskPostProcessor:
     def _allocate_host(self, capacity: int) -> None:
         self._capacity = capacity
         self._host_masks = allocate_token_bitmask(capacity, self.vocab_size)  # pinned when CUDA is present
-        self._host_rows = torch.empty(capacity, dtype=torch.int64, pin_memory=self.pin_memory)
+        self._host_rows = torch.empty(2 * capacity, dtype=torch.int64, pin_memory=self.pin_memory)  # `upload`'s
         self._row_bytes = self._host_masks.shape[1] * 4
         self._host_views = [self._host_masks[:count] for count in range(capacity + 1)]
 
@@ -317,29 +340,34 @@ class DeviceCopies:
     own, so that a step's copy (4 MB at batch 256 with a 128k vocabulary) runs beside the forward
     pass queued before it rather than after it on the compute stream."""
 
-    def __init__(self, device: torch.device, capacity: int, words: int) -> None:
+    def __init__(self, device: torch.device, capacity: int, words: int, ending_tables: tuple[np.ndarray, int]) -> None:
         self.device = device
         self.capacity = capacity
         self.stream = torch.cuda.Stream(device)
+        tables, string_classes = ending_tables  # the loop guard's, for `narrow_to_endings`
+        # On the copy stream, pinned (a pageable copy waits for the work queued): every `copy` waits for it.
+        with torch.cuda.stream(self.stream):
+            self.ending_tables = (torch.from_numpy(tables).pin_memory().to(device, non_blocking=True), string_classes)
         self.buffers = [(torch.empty((capacity, words), dtype=torch.int32, device=device),
-                         torch.empty(capacity, dtype=torch.int64, device=device)) for _ in range(2)]
+                         torch.empty(2 * capacity, dtype=torch.int64, device=device)) for _ in range(2)]
         # Per buffer, an event on the compute stream after the work that read it last was queued.
         self.free: list[Optional[torch.cuda.Event]] = [None, None]
         self.next = 0
 
-    def copy(self, masks: torch.Tensor, rows: torch.Tensor, stream: torch.cuda.Stream
+    def copy(self, masks: torch.Tensor, indices: torch.Tensor, stream: torch.cuda.Stream
              ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
-        """`masks` and `rows` (pinned host) on the device for the work queued on `stream` from now
-        on, until the upload after next; and the copy's event (the host buffers are free after it)."""
+        """`masks` and `indices` (pinned host, at most twice as many as the masks) on the device for
+        the work queued on `stream` from now on, until the upload after next; and the copy's event
+        (the host buffers are free after it)."""
         slot, self.next = self.next, self.next ^ 1
-        count = rows.shape[0]
-        device_masks, device_rows = self.buffers[slot][0][:count], self.buffers[slot][1][:count]
+        device_masks = self.buffers[slot][0][:masks.shape[0]]
+        device_rows = self.buffers[slot][1][:indices.shape[0]]
         free = self.free[slot]
         with torch.cuda.stream(self.stream):
             if free is not None:
                 self.stream.wait_event(free)
             device_masks.copy_(masks, non_blocking=True)
-            device_rows.copy_(rows, non_blocking=True)
+            device_rows.copy_(indices, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         stream.wait_event(done)
@@ -347,6 +375,14 @@ class DeviceCopies:
         other_free = self.free[slot ^ 1] = torch.cuda.Event()
         other_free.record(stream)
         return device_masks, device_rows, done
+
+
+_CLOSING = operator.attrgetter("constraint.closing")
+
+
+def _closing_positions(rows: Sequence[ConstrainedRow]) -> list[int]:
+    """The positions of the rows near their length limit (a C-level pass: every upload's)."""
+    return list(itertools.compress(range(len(rows)), map(_CLOSING, rows)))
 
 
 def eos_only_mask(eos_tokens: Sequence[int], words: int) -> torch.Tensor:

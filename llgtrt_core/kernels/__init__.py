@@ -1,5 +1,6 @@
 """Apply llguidance token bitmasks to logits: a CUDA kernel, with a torch fallback.
-(Masking fused with sampling: `llgtrt_core.kernels.sampling.sample_with_bitmask`.)
+(Masking fused with sampling: `llgtrt_core.kernels.sampling.sample_with_bitmask`; the loop guard's
+narrowing of masks near their length limit, on CUDA: `narrow_to_endings`.)
 
 Masked logits become -inf, as in llguidance and XGrammar (llgtrt writes the dtype's lowest
 finite value instead). -inf makes a disallowed token's probability exactly 0 under any
@@ -21,7 +22,7 @@ import torch
 from llgtrt_core.kernels.bitmask_torch import apply_token_bitmask_inplace_torch
 from llgtrt_core.kernels.cuda_ext import KernelUnavailable, load_extension
 
-__all__ = ["apply_token_bitmask_inplace", "cuda_kernel_available", "KernelUnavailable"]
+__all__ = ["apply_token_bitmask_inplace", "cuda_kernel_available", "narrow_to_endings", "KernelUnavailable"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,13 @@ def apply_token_bitmask_inplace(
             _apply_cuda(logits, bitmask, rows)
         else:
             apply_token_bitmask_inplace_torch(logits, bitmask, _row_tensor(rows, logits.device))
+
+
+def narrow_to_endings(masks: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, string_classes: int) -> None:
+    """The loop guard's narrowing of the mask rows `positions` (near their length limit) on CUDA,
+    in place, queued on the current stream (`EscapeMasks.ending_tables` says what `tables` and
+    `string_classes` hold). Needs the extension (`cuda_kernel_available`)."""
+    load_extension().narrow_to_endings(masks, positions, tables, string_classes)
 
 
 def _apply_cuda(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[RowIndices]) -> None:

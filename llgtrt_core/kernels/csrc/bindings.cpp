@@ -116,6 +116,31 @@ torch::Tensor sample_with_bitmask(torch::Tensor logits, torch::Tensor temperatur
   return tokens;
 }
 
+void narrow_to_endings(torch::Tensor masks, torch::Tensor positions, torch::Tensor tables, int64_t string_classes) {
+  TORCH_CHECK(masks.is_cuda() && masks.dim() == 2 && masks.scalar_type() == at::kInt && masks.stride(1) == 1,
+              "masks must be a 2-D int32 CUDA tensor with contiguous rows");
+  TORCH_CHECK(positions.device() == masks.device() && positions.dim() == 1 && positions.scalar_type() == at::kLong &&
+                  positions.is_contiguous(),
+              "positions must be a contiguous 1-D int64 tensor on the masks' device");
+  TORCH_CHECK(tables.device() == masks.device() && tables.dim() == 2 && tables.scalar_type() == at::kInt &&
+                  tables.is_contiguous() && tables.size(1) == masks.size(1) && tables.size(0) >= 2 &&
+                  tables.size(0) <= 10,
+              "tables must be a contiguous (2 + classes, mask words) int32 tensor on the masks' device, "
+              "at most 8 classes");
+  llgtrt::NarrowArgs args{};
+  args.masks = masks.data_ptr<int32_t>();
+  args.mask_rows = masks.size(0);
+  args.mask_row_stride = masks.stride(0);
+  args.mask_words = static_cast<int>(masks.size(1));
+  args.positions = positions.data_ptr<int64_t>();
+  args.count = positions.numel();
+  args.tables = tables.data_ptr<int32_t>();
+  args.classes = static_cast<int>(tables.size(0) - 2);
+  args.string_classes = static_cast<uint32_t>(string_classes);
+  const c10::cuda::CUDAGuard device_guard(masks.device());
+  C10_CUDA_CHECK(llgtrt::narrow_to_endings(args, c10::cuda::getCurrentCUDAStream()));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -126,4 +151,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Per row: argmax over allowed tokens of logit / T + Gumbel(seed, token) noise (T = 0: argmax)",
         py::arg("logits"), py::arg("temperature"), py::arg("seeds"), py::arg("bitmask") = py::none(),
         py::arg("rows") = py::none());
+  m.def("narrow_to_endings", &narrow_to_endings,
+        "Narrow mask rows near their length limit to the first escape class each allows (the loop guard's)",
+        py::arg("masks"), py::arg("positions"), py::arg("tables"), py::arg("string_classes"));
 }

@@ -148,7 +148,43 @@ cudaError_t launch(const BitmaskArgs& args, Bits fill, bool whole_sectors, int s
   return cudaGetLastError();
 }
 
+constexpr int kNarrowThreads = 256;
+constexpr int kMaxClasses = 8;
+
+// Block i narrows row positions[i]: every thread tests its words against the tables, the block
+// agrees on the flags (__syncthreads_or), then each thread writes back the words it read.
+__global__ void __launch_bounds__(kNarrowThreads) narrow_to_endings_kernel(NarrowArgs args) {
+  const int64_t r = args.positions[blockIdx.x];
+  if (r < 0 || r >= args.mask_rows) return;  // the same for the whole block
+  int32_t* row = args.masks + r * args.mask_row_stride;
+  const int words = args.mask_words;
+  int in_string = 0, free_text = 0, allows[kMaxClasses] = {};
+  for (int w = threadIdx.x; w < words; w += kNarrowThreads) {
+    const int32_t m = row[w];
+    in_string |= (m & __ldg(args.tables + w)) != 0;
+    free_text |= (m & __ldg(args.tables + words + w)) != 0;
+    for (int c = 0; c < args.classes; ++c) allows[c] |= (m & __ldg(args.tables + (2 + c) * words + w)) != 0;
+  }
+  in_string = __syncthreads_or(in_string);
+  free_text = __syncthreads_or(free_text);
+  int chosen = -1;
+  for (int c = 0; c < args.classes; ++c) {
+    const int allowed = __syncthreads_or(allows[c]);
+    if (chosen < 0 && allowed && (!in_string || ((args.string_classes >> c) & 1u))) chosen = c;
+  }
+  if (chosen < 0 || (in_string && free_text)) return;
+  const int32_t* bits = args.tables + (2 + chosen) * words;
+  for (int w = threadIdx.x; w < words; w += kNarrowThreads) row[w] &= __ldg(bits + w);
+}
+
 }  // namespace
+
+cudaError_t narrow_to_endings(const NarrowArgs& args, cudaStream_t stream) {
+  if (args.count == 0 || args.mask_words == 0) return cudaSuccess;
+  if (args.classes > kMaxClasses || args.count > 2147483647) return cudaErrorInvalidValue;
+  narrow_to_endings_kernel<<<static_cast<unsigned>(args.count), kNarrowThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
 
 cudaError_t apply_token_bitmask(const BitmaskArgs& args, int element_bytes, uint32_t fill_bits, bool whole_sectors,
                                 int sms, cudaStream_t stream) {

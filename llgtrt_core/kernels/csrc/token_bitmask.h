@@ -26,4 +26,25 @@ struct BitmaskArgs {
 cudaError_t apply_token_bitmask(const BitmaskArgs& args, int element_bytes, uint32_t fill_bits, bool whole_sectors,
                                 int sms, cudaStream_t stream);
 
+// The loop guard's narrowing of rows near their length limit (constraints/loop_guard.py,
+// `EscapeMasks.narrow` for a row that loops over no items), one block per row: mask row
+// positions[i] is ANDed with the first escape class it allows a token of, in class order, or left
+// as it is when it allows none. tables: (2 + classes, mask_words) int32 rows: the word tokens
+// (only a JSON string allows them), the tokens holding a raw newline (free text: never narrowed),
+// then each class. A row allowing a word is inside a string, where only the classes set in
+// `string_classes` (a bit per class) end it.
+struct NarrowArgs {
+  int32_t* masks;           // (mask_rows, mask_words), rows contiguous
+  int64_t mask_rows;
+  int64_t mask_row_stride;  // in words
+  int mask_words;
+  const int64_t* positions;  // rows to narrow; outside [0, mask_rows): skipped
+  int64_t count;
+  const int32_t* tables;     // (2 + classes, mask_words), contiguous
+  int classes;               // at most 8
+  uint32_t string_classes;
+};
+
+cudaError_t narrow_to_endings(const NarrowArgs& args, cudaStream_t stream);
+
 }  // namespace llgtrt
