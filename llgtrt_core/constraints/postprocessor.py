@@ -137,7 +137,7 @@ class MaskPostProcessor:
     ) -> None:
         """Mask `logits` rows in place with the masks `fill` returned, on `stream` when on CUDA."""
         if not logits.is_cuda and len(rows) == logits.shape[0] and all(row.row == j for j, row in enumerate(rows)):
-            self._narrow_closing_on_host(masks, _closing_positions(rows))
+            masks, _ = self.upload(rows, masks, logits.device)  # on CPU: the host buffer, its closing rows narrowed
             apply_token_bitmask_inplace(logits, masks)  # the whole batch: no row indirection
             return
         device_masks, device_rows = self.upload(rows, masks, logits.device, stream)
@@ -159,7 +159,8 @@ class MaskPostProcessor:
         closing = _closing_positions(rows)
         on_device = device.type == "cuda" and cuda_kernel_available()
         if not on_device:
-            self._narrow_closing_on_host(masks, closing)
+            if closing:
+                self._escapes.narrow(masks, closing, [False] * len(closing))
             closing = []
         # One buffer, one copy: the rows' logits indices, then the positions of the rows to narrow.
         indices = self._host_rows[:count + len(closing)]
@@ -177,10 +178,6 @@ class MaskPostProcessor:
             with torch.cuda.stream(stream):
                 narrow_to_endings(device_masks, device_indices[count:], *self._device.ending_tables)
         return device_masks, device_indices[:count]
-
-    def _narrow_closing_on_host(self, masks: torch.Tensor, closing: list[int]) -> None:
-        if closing:
-            self._escapes.narrow(masks, closing, [False] * len(closing))
 
     def commit_with_forced(self, constraint: Constraint, token: Optional[int], limit: int,
                            stop_token_ids: frozenset[int] = frozenset()) -> list[int]:
