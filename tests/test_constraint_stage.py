@@ -88,6 +88,30 @@ def test_masks_begun_ahead_follow_their_sequences_to_their_new_rows() -> None:
         assert all(seq.uncommitted_token is None for seq in running)
 
 
+def test_steps_whose_rows_stay_put_take_the_masks_begun_ahead_row_for_row() -> None:
+    with started_stage(3) as stage:
+        a, b, c = sequence("a", "a+b"), sequence("b", "[0-9]+x"), sequence("c", "(ab)+!")
+        running = [a, b, c]
+        step_masks(stage, running)
+        c_tokens = "abab"
+        for step, c_token in enumerate(c_tokens):  # the same rows every step, as most steps of a batch
+            tokens = [ord("a"), ord("1"), ord(c_token)]
+            assert stage.begin_ahead(running, lambda: tokens)
+            masks = step_masks(stage, running)
+            for row, seq in enumerate(running):
+                assert torch.equal(masks[row], llguidance_mask(seq.request.constraint.matcher))
+            assert allowed_tokens(masks[0]) == {ord("a"), ord("b")}
+            assert allowed_tokens(masks[1]) == {ord(d) for d in "0123456789x"}
+            # Each token committed once: after "a" only "b", after "ab" another "a" or the end.
+            assert allowed_tokens(masks[2]) == ({ord("b")} if step % 2 == 0 else {ord("a"), ord("!")})
+        running = [a, c]  # b ended: the rows change, and the next steps keep the new ones
+        for c_token in "ab":
+            assert stage.begin_ahead(running, lambda: [ord("a"), ord(c_token)])
+            masks = step_masks(stage, running)
+            assert [allowed_tokens(masks[row]) for row in (0, 1)] == [
+                {ord("a"), ord("b")}, {ord("b")} if c_token == "a" else {ord("a"), ord("!")}]
+
+
 def test_nothing_is_begun_ahead_while_a_row_fast_forwards() -> None:
     with started_stage(2, fast_forward=True) as stage:
         a = sequence("a", "ab+c")
