@@ -23,7 +23,8 @@ engine's mask-fill time per step from the server's /metrics (`llgtrt:grammar_mas
 --control makes the first wave of each round unconstrained too: an A/A run, whose ratios are the
 measurement's own noise (the waves' prompts are admitted over the first steps, and where each
 request's tokens fall against those busy steps moves its time per token).
-Each round's own time-per-token ratio is printed too (the spread), and the JSON keeps each wave's
+Each round's own time-per-token ratio is printed too (the spread; with the cores the hypervisor took
+from the host in its waves, where it took some), and the JSON keeps each wave's
 engine phases (/v1/engine/stats) and its window, which bench/wave_steps.py matches to the steps of
 a server started with LLGTRT_STEP_LOG, and the host's CPU over the wave in cores' worth (`cpu`: all
 cores busy, and by role: the engine process, the API workers, this benchmark's clients, other;
@@ -74,6 +75,7 @@ from http_load import (  # noqa: E402
 DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "maskbench"
 MASK_FILL = "llgtrt:grammar_mask_fill_seconds"
 BATCH1_ROUNDS = 12
+STOLEN_SHOWN = 0.05  # cores a wave lost to the hypervisor from which a round's line names them (calm waves: 0.00-0.01)
 
 
 def schema_candidates(data: Path, max_chars: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
@@ -256,6 +258,16 @@ async def measure_batch(client: httpx.AsyncClient, pool: ClientProcesses, url: s
                for key in ("cores_busy", "steal")}}
 
 
+def rounds_text(row: dict[str, Any]) -> str:
+    """Each round's time-per-token ratio, with the cores the hypervisor took from the host in its waves
+    where it took some (a round that lost them runs slow: engine.md, sessions 20 and 31)."""
+    texts = []
+    for index, wave in enumerate(row["rounds"]):
+        stolen = max(row["engine_by_round"][kind][index]["cpu"]["steal"] for kind in ("unconstrained", "constrained"))
+        texts.append(f"{wave['tpot_ratio']:.3f}" + (f" ({stolen:.2f} cores stolen)" if stolen >= STOLEN_SHOWN else ""))
+    return ", ".join(texts)
+
+
 def plot_tbt(rows: list[dict[str, Any]], path: Path) -> None:
     """TBT distributions (percentiles 1-99), constrained against unconstrained, one color per batch."""
     import matplotlib
@@ -323,7 +335,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     rows.append(await measure_batch(client, pool, url, model, batch, args.rounds, schemas,
                                                     args.max_tokens, args.control))
                     r = rows[-1]
-                    by_round = ", ".join(f"{w['tpot_ratio']:.3f}" for w in r["rounds"])
+                    by_round = rounds_text(r)
                     print(f"{'A/A control, ' if args.control else ''}batch {batch}: "
                           f"{time.perf_counter() - started:.1f} s, TBT ratio {r['tbt_ratio']:.3f}, "
                           f"time per output token ratio {r['tpot_ratio']:.3f} (steady {r['steady_tpc_ratio']:.3f}), "
