@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from measure import machine  # noqa: E402  (bench/ is the script's folder)
 
 from llgtrt_core.constraints.loop_guard import (  # noqa: E402
-    EscapeMasks, LoopGuard, LoopGuardSettings, _mask_row, loop_steering, steer_loops, token_texts)
+    EscapeMasks, LoopGuard, LoopGuardSettings, _mask_row, closing_positions, loop_steering, steer_loops, token_texts)
 from llgtrt_core.engine.interface import ConstrainedRow  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's
@@ -47,9 +47,9 @@ def steer(masks: torch.Tensor, rows: list[ConstrainedRow], escapes: EscapeMasks)
     (`loop_steering` while the masks are computed, then `steer_loops`), then the upload's narrowing
     of the rows near their length limit (a GPU's upload runs a CUDA kernel instead)."""
     steer_loops(rows, masks, loop_steering(rows, escapes), escapes)
-    closing = [j for j, row in enumerate(rows) if row.constraint.closing]
+    closing = closing_positions(rows)
     if closing:
-        escapes.narrow(masks, closing, [False] * len(closing))
+        escapes.narrow_to_endings(masks, closing)
 
 
 def per_row_step(rows: int, steps: int, guarded: bool, seed: int) -> float:

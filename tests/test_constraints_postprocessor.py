@@ -233,7 +233,7 @@ def test_the_cuda_narrowing_to_endings_matches_the_host_narrowing(seed):
     host = torch.from_numpy(np.stack([_mask_row(np.flatnonzero(row).tolist(), words) for row in allowed]))
     positions = sorted(rng.choice(64, 48, replace=False).tolist())
     expected = host.clone()
-    escapes.narrow(expected, positions, [False] * len(positions))
+    escapes.narrow_to_endings(expected, positions)
     on_device = host.cuda()
     tables, string_classes = escapes.ending_tables()
     narrow_to_endings(on_device, torch.tensor(positions, device="cuda"), torch.from_numpy(tables).cuda(),

@@ -31,6 +31,8 @@ that point is never touched: its masks are the grammar's own.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import sys
 from typing import Optional, Sequence
 
@@ -266,6 +268,11 @@ class EscapeMasks:
             host[kept[:, None], self.class_words] = kept_words
         return narrowed
 
+    def narrow_to_endings(self, masks: torch.Tensor, rows: Sequence[int]) -> None:
+        """`narrow` for rows near their length limit (the nearest ending, as out of a value loop);
+        on a GPU the upload runs the same as a kernel (`ending_tables`)."""
+        self.narrow(masks, rows, [False] * len(rows))
+
     def ending_tables(self) -> tuple[np.ndarray, int]:
         """What the CUDA kernel narrowing rows near their length limit reads (`kernels.narrow_to_endings`,
         the GPU's `narrow` for a row that loops over no items): (2 + classes, words) int32 rows, the
@@ -315,6 +322,15 @@ def loop_steering(rows: Sequence[ConstrainedRow], escapes: EscapeMasks) -> Steer
         if structural is not None:
             steering.append((j, guard, structural))
     return steering
+
+
+_CLOSING = operator.attrgetter("constraint.closing")
+
+
+def closing_positions(rows: Sequence[ConstrainedRow]) -> list[int]:
+    """The positions of the rows near their length limit, marked by `loop_steering` (a C-level
+    pass: every upload's)."""
+    return list(itertools.compress(range(len(rows)), map(_CLOSING, rows)))
 
 
 def steer_loops(rows: Sequence[ConstrainedRow], masks: torch.Tensor, steering: Steering, escapes: EscapeMasks) -> None:

@@ -26,9 +26,7 @@ only, so the sequence ends with the model's EOS (finish_reason "stop").
 
 from __future__ import annotations
 
-import itertools
 import logging
-import operator
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
@@ -40,7 +38,7 @@ from llguidance.torch import allocate_token_bitmask
 
 from llgtrt_core import metrics
 from llgtrt_core.constraints.grammar import GrammarConstraint, MaskCost
-from llgtrt_core.constraints.loop_guard import EscapeMasks, Steering, loop_steering, steer_loops
+from llgtrt_core.constraints.loop_guard import EscapeMasks, Steering, closing_positions, loop_steering, steer_loops
 from llgtrt_core.engine.interface import ConstrainedRow, Constraint
 from llgtrt_core.engine.step_profile import StepPhases
 from llgtrt_core.kernels import apply_token_bitmask_inplace, cuda_kernel_available, narrow_to_endings
@@ -156,11 +154,11 @@ class MaskPostProcessor:
         The masks of rows near their length limit (`closing`) are narrowed to the nearest ending
         here: on CUDA by a kernel queued on `stream` after the copy, else in the host buffer."""
         count = len(rows)
-        closing = _closing_positions(rows)
+        closing = closing_positions(rows)
         on_device = device.type == "cuda" and cuda_kernel_available()
         if not on_device:
             if closing:
-                self._escapes.narrow(masks, closing, [False] * len(closing))
+                self._escapes.narrow_to_endings(masks, closing)
             closing = []
         # One buffer, one copy: the rows' logits indices, then the positions of the rows to narrow.
         indices = self._host_rows[:count + len(closing)]
@@ -372,14 +370,6 @@ class DeviceCopies:
         other_free = self.free[slot ^ 1] = torch.cuda.Event()
         other_free.record(stream)
         return device_masks, device_rows, done
-
-
-_CLOSING = operator.attrgetter("constraint.closing")
-
-
-def _closing_positions(rows: Sequence[ConstrainedRow]) -> list[int]:
-    """The positions of the rows near their length limit (a C-level pass: every upload's)."""
-    return list(itertools.compress(range(len(rows)), map(_CLOSING, rows)))
 
 
 def eos_only_mask(eos_tokens: Sequence[int], words: int) -> torch.Tensor:
