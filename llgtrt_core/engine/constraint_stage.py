@@ -181,16 +181,16 @@ class ConstraintStage:
         constraints = list(map(_SEQUENCE_CONSTRAINT, running))
         placed: list[Optional[ConstrainedRow]] = []
         index: Optional[dict[int, int]] = None  # constraint -> its row now, once a row is found moved
-        unmoved = self._layout is not None and _same(self._layout.constraints, constraints)
-        for row in [] if unmoved else ahead_rows:  # mostly still where they were (its new_token is None)
-            if row.row < len(constraints) and constraints[row.row] is row.constraint:
-                placed.append(row)
-                continue
-            index = index or _rows_by_constraint(constraints)
-            now = index.get(id(row.constraint))
-            placed.append(None if now is None else ConstrainedRow(row.constraint, now, None))
-        if unmoved:  # every sequence holds the row begin_ahead saw it in (most steps)
-            placed = list(ahead_rows)
+        if self._layout is not None and _same(self._layout.constraints, constraints):
+            placed = list(ahead_rows)  # every sequence holds the row begin_ahead saw it in (most steps)
+        else:
+            for row in ahead_rows:  # mostly still where they were: the same row (its new_token is None)
+                if row.row < len(constraints) and constraints[row.row] is row.constraint:
+                    placed.append(row)
+                    continue
+                index = index or _rows_by_constraint(constraints)
+                now = index.get(id(row.constraint))
+                placed.append(None if now is None else ConstrainedRow(row.constraint, now, None))
         rows, apart, new_apart = [], [], []
         held = len(placed) - placed.count(None)
         if self._apart:  # filled apart, their masks on the way (never in the fill begun ahead): a few rows
