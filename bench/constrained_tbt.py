@@ -24,7 +24,8 @@ engine's mask-fill time per step from the server's /metrics (`llgtrt:grammar_mas
 measurement's own noise (the waves' prompts are admitted over the first steps, and where each
 request's tokens fall against those busy steps moves its time per token).
 Each round's own time-per-token ratio is printed too (the spread; with the cores the hypervisor took
-from the host in its waves, where it took some), and the JSON keeps each wave's
+from the host in its waves, where it took some, and the json_schema wave's sit-outs, where a slow
+grammar's rows sat steps out), and the JSON keeps each wave's
 engine phases (/v1/engine/stats) and its window, which bench/wave_steps.py matches to the steps of
 a server started with LLGTRT_STEP_LOG, and the host's CPU over the wave in cores' worth (`cpu`: all
 cores busy, and by role: the engine process, the API workers, this benchmark's clients, other;
@@ -260,11 +261,15 @@ async def measure_batch(client: httpx.AsyncClient, pool: ClientProcesses, url: s
 
 def rounds_text(row: dict[str, Any]) -> str:
     """Each round's time-per-token ratio, with the cores the hypervisor took from the host in its waves
-    where it took some (a round that lost them runs slow: engine.md, sessions 20 and 31)."""
+    where it took some (a round that lost them runs slow: engine.md, sessions 20 and 31) and the
+    json_schema wave's sit-outs (draws dropped: a slow grammar's mask, filled apart, was late)."""
     texts = []
     for index, wave in enumerate(row["rounds"]):
         stolen = max(row["engine_by_round"][kind][index]["cpu"]["steal"] for kind in ("unconstrained", "constrained"))
-        texts.append(f"{wave['tpot_ratio']:.3f}" + (f" ({stolen:.2f} cores stolen)" if stolen >= STOLEN_SHOWN else ""))
+        sit_outs = row["engine_by_round"]["constrained"][index].get("sit_outs", 0)
+        notes = ([f"{stolen:.2f} cores stolen"] if stolen >= STOLEN_SHOWN else []) + (
+            [f"{sit_outs} sit-outs"] if sit_outs else [])
+        texts.append(f"{wave['tpot_ratio']:.3f}" + (f" ({', '.join(notes)})" if notes else ""))
     return ", ".join(texts)
 
 

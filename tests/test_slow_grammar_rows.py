@@ -76,7 +76,7 @@ def run(stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer, slow: bool, 
                 return tokens, reason
 
             results = await asyncio.gather(*(one(i, *spec) for i, spec in enumerate(specs)))
-            return [r[0] for r in results], [r[1] for r in results], engine.num_sit_outs
+            return [r[0] for r in results], [r[1] for r in results], engine.step_stats()["num_sit_outs"]
         finally:
             await engine.shutdown()
             compiler.close()

@@ -578,6 +578,7 @@ class EngineStats(OpenAIResponseModel):
     num_mixed_steps: Optional[int] = None  # of those, steps that decoded and prefilled in one forward pass
     num_spread_prompt_steps: Optional[int] = None  # CPU: prompt-only steps run on more torch threads
     num_shared_kernel_steps: Optional[int] = None  # CPU: steps whose quantized matmuls shared threads
+    num_sit_outs: Optional[int] = None  # draws dropped: a slow grammar's mask, filled apart, was late
     step_phases: dict[str, StepPhaseStats] = {}  # totals per phase of its step loop (llgtrt_core/engine/step_profile.py)
     prefix_cache: Optional[PrefixCacheStats] = None
 

@@ -198,7 +198,7 @@ class TorchEngine(Engine):
         blocks = self.cache.blocks
         prefix_cache = {"queries": blocks.queries, "hits": blocks.hits, "cached_blocks": blocks.cached_blocks,
                         "evictions": blocks.evictions}
-        return {"num_steps": self.num_steps, "num_mixed_steps": mixed,
+        return {"num_steps": self.num_steps, "num_mixed_steps": mixed, "num_sit_outs": self.num_sit_outs,
                 "num_spread_prompt_steps": compiled.num_spread_steps if compiled is not None else 0,
                 "num_shared_kernel_steps": kernel_threads.num_shared_steps if kernel_threads is not None else 0,
                 "step_phases": phases,
