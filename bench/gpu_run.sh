@@ -37,6 +37,9 @@
 #   switches batch 128 and 256 x 3 rounds on one seed ($SEED, default a random one) with the engine process's
 #           threads sampled (bench/thread_switches.py: CPU, voluntary and involuntary context switches a
 #           step), against a server restarted for each loop-guard mode in $GUARD_MODES (default "on off")
+#   thief   batch 128 and 256 x 3 rounds on one seed ($SEED, default a random one) against the server up, first
+#           with nothing taken, then with bench/cpu_thief.py taking $THIEF_CORES (default 0.5) cores in bursts of
+#           $THIEF_BURST_MS (default 4) ms, as the hypervisor took them in the runs that missed (engine.md "Session 32")
 # Everything lands in $OUT (the server's log as server.log).
 set -u
 source bench/gpu_serve.sh --no-server || exit 1
@@ -169,6 +172,19 @@ for stage in "$@"; do
         done
         stop_server  # a later stage would find this mode's server up and measure it
         unset LLGTRT_CONFIG ;;
+    thief)
+        serve
+        SEED=${SEED:-$(random_seed)}
+        for CORES in 0 ${THIEF_CORES:-0.5}; do
+            echo "-- CPU taken by bench/cpu_thief.py: $CORES cores"
+            if [ $CORES != 0 ]; then
+                python3 bench/cpu_thief.py --cores $CORES --burst-ms ${THIEF_BURST_MS:-4} --seconds 300 &  # ends on its own too
+                THIEF=$!
+            fi
+            python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 3 --max-tokens 64 --seed $SEED \
+                --data $D --json $OUT/constrained_tbt_thief_$CORES.json | grep -v "^|"
+            if [ $CORES != 0 ]; then kill $THIEF; wait $THIEF; fi
+        done ;;
     tests)
         stop_server
         python3 -m pytest -q -x tests/test_engine_gpu.py tests/test_scheduler.py tests/test_constraint_stage.py \
