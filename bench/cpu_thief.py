@@ -6,9 +6,9 @@ which it does on some machines at some times only; run beside the benchmark, thi
 
 Each of --workers processes repeats: move to a core drawn at random, spin there for --burst-ms at
 real-time priority (SCHED_FIFO: the thread that ran on that core is put aside, as on a vCPU the
-hypervisor paused, until the scheduler moves it; without the privilege at nice -20, where it only
-competes), then sleep, for --cores cores' worth taken on average. A wave's CPU taken this way shows
-in bench/constrained_tbt.py's `cpu` as `other`.
+hypervisor paused, until the scheduler moves it; without the privilege at the default priority,
+where it only competes), then sleep, for --cores cores' worth taken on average. A wave's CPU taken
+this way shows in bench/constrained_tbt.py's `cpu` as `other`.
 
     python3 bench/cpu_thief.py --cores 0.5 --burst-ms 4 --seconds 60
 """
@@ -28,8 +28,8 @@ def take_cpu(cores: float, burst_s: float, seconds: float, seed: int, spun: "mul
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-    except PermissionError:
-        os.nice(-20 if os.geteuid() == 0 else 0)
+    except PermissionError:  # no CAP_SYS_NICE: it competes at its default priority
+        pass
     allowed = sorted(os.sched_getaffinity(0))
     draw = random.Random(seed)
     mean_gap = burst_s * (1 / min(cores, 1.0) - 1)  # a burst, then this on average: `cores` busy

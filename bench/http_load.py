@@ -209,15 +209,17 @@ async def engine_stats(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
 def per_step(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """Each phase's wall and CPU ms per engine step between two `engine_stats`; the steps, mixed
     steps and sit-outs (draws dropped: a slow grammar's mask was late) between them."""
-    steps = (after.get("num_steps") or 0) - (before.get("num_steps") or 0)
+    def counted(key: str) -> int:  # a counter's growth between the two (absent: the engine keeps none)
+        return (after.get(key) or 0) - (before.get(key) or 0)
+
+    steps = counted("num_steps")
     phases = {}
     for name, total in after.get("step_phases", {}).items():
         earlier = before.get("step_phases", {}).get(name, {"count": 0, "wall_s": 0.0, "cpu_s": 0.0})
         phases[name] = {key: (total[key] - earlier[key]) * 1e3 / max(steps, 1) for key in ("wall_s", "cpu_s")}
         phases[name]["per_step"] = (total["count"] - earlier["count"]) / max(steps, 1)
-    mixed = (after.get("num_mixed_steps") or 0) - (before.get("num_mixed_steps") or 0)
-    sit_outs = (after.get("num_sit_outs") or 0) - (before.get("num_sit_outs") or 0)
-    return {"steps": steps, "mixed_steps": mixed, "sit_outs": sit_outs, "phases": phases}
+    return {"steps": steps, "mixed_steps": counted("num_mixed_steps"), "sit_outs": counted("num_sit_outs"),
+            "phases": phases}
 
 
 def engine_vs_client(before: dict[str, Histogram], after: dict[str, Histogram],
