@@ -10,7 +10,7 @@ hypervisor paused, until the scheduler moves it; without the privilege at the de
 where it only competes), then sleep, for --cores cores' worth taken on average. A wave's CPU taken
 this way shows in bench/constrained_tbt.py's `cpu` as `other`.
 
-    python3 bench/cpu_thief.py --cores 0.5 --burst-ms 4 --seconds 60
+    python3 bench/cpu_thief.py --cores 2 --burst-ms 4 --seconds 60
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def take_cpu(cores: float, burst_s: float, seconds: float, seed: int, spun: "mul
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cores", type=float, default=0.5, help="cores' worth taken on average")
+    parser.add_argument("--cores", type=float, default=2.0, help="cores' worth taken on average")
     parser.add_argument("--burst-ms", type=float, default=4.0, help="how long one core stands still")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=3600.0, help="or until SIGTERM / SIGINT")

@@ -38,8 +38,9 @@
 #           threads sampled (bench/thread_switches.py: CPU, voluntary and involuntary context switches a
 #           step), against a server restarted for each loop-guard mode in $GUARD_MODES (default "on off")
 #   thief   batch 128 and 256 x 3 rounds on one seed ($SEED, default a random one) against the server up, first
-#           with nothing taken, then with bench/cpu_thief.py taking $THIEF_CORES (default 0.5) cores in bursts of
-#           $THIEF_BURST_MS (default 4) ms, as the hypervisor took them in the runs that missed (engine.md "Session 32")
+#           with nothing taken, then with bench/cpu_thief.py taking $THIEF_CORES (default 2) cores in bursts of
+#           $THIEF_BURST_MS (default 4) ms, as the hypervisor took them in the runs that missed (engine.md "Session 32";
+#           half a core did nothing, two cores slowed the json_schema waves: "Session 33")
 # Everything lands in $OUT (the server's log as server.log).
 set -u
 source bench/gpu_serve.sh --no-server || exit 1
@@ -175,7 +176,7 @@ for stage in "$@"; do
     thief)
         serve
         SEED=${SEED:-$(random_seed)}
-        for CORES in 0 ${THIEF_CORES:-0.5}; do
+        for CORES in 0 ${THIEF_CORES:-2}; do
             echo "-- CPU taken by bench/cpu_thief.py: $CORES cores"
             if [ $CORES != 0 ]; then
                 python3 bench/cpu_thief.py --cores $CORES --burst-ms ${THIEF_BURST_MS:-4} --seconds 300 &  # ends on its own too
