@@ -16,6 +16,7 @@ this way shows in bench/constrained_tbt.py's `cpu` as `other`.
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import os
 import random
@@ -53,6 +54,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3600.0, help="or until SIGTERM / SIGINT")
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()
+    if args.cores > args.workers:  # else the share above a core each would silently not be taken
+        parser.error(f"--cores {args.cores} needs --workers {math.ceil(args.cores)} or more: a worker takes one core at most")
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     print(f"cpu_thief: seed {seed}, {args.cores} cores in bursts of {args.burst_ms} ms, {args.workers} workers",
           flush=True)
