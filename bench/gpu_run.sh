@@ -37,6 +37,11 @@
 #   switches batch 128 and 256 x 3 rounds on one seed ($SEED, default a random one) with the engine process's
 #           threads sampled (bench/thread_switches.py: CPU, voluntary and involuntary context switches a
 #           step), against a server restarted for each loop-guard mode in $GUARD_MODES (default "on off")
+#   gil     bench/gil_share.py on this machine's host (no GPU): an engine-thread stand-in beside the fill of 256
+#           rows, the fill on a thread (as the server runs it) or in a process of its own, on one seed ($SEED,
+#           default a random one), first with nothing taken, then with bench/cpu_thief.py taking $THIEF_CORES
+#   gilab   bench/gil_share.py's none and thread modes for base / current / base / current (the trees of `ab`) on
+#           one seed ($SEED, default a random one): what two versions of the fill cost the engine thread
 #   thief   batch 128 and 256 x 3 rounds on one seed ($SEED, default a random one) against the server up, first
 #           with nothing taken, then with bench/cpu_thief.py taking $THIEF_CORES (default 2) cores in bursts of
 #           $THIEF_BURST_MS (default 4) ms, as the hypervisor took them in the runs that missed (engine.md "Session 32";
@@ -185,6 +190,26 @@ for stage in "$@"; do
             python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 3 --max-tokens 64 --seed $SEED \
                 --data $D --json $OUT/constrained_tbt_thief_$CORES.json | grep -v "^|"
             if [ $CORES != 0 ]; then kill $THIEF; wait $THIEF; fi
+        done ;;
+    gil)
+        SEED=${SEED:-$(random_seed)}
+        for CORES in 0 ${THIEF_CORES:-2}; do
+            echo "-- CPU taken by bench/cpu_thief.py: $CORES cores"
+            if [ $CORES != 0 ]; then
+                python3 bench/cpu_thief.py --cores $CORES --burst-ms ${THIEF_BURST_MS:-4} --seconds 240 &
+                THIEF=$!
+            fi
+            python3 bench/gil_share.py --rows 256 --steps 150 --rounds 3 --seed $SEED --data $D 2>&1 | grep -v "nanobind\|leaked"
+            if [ $CORES != 0 ]; then kill $THIEF; wait $THIEF; fi
+        done ;;
+    gilab)
+        SEED=${SEED:-$(random_seed)}
+        DATA=$PWD/$D
+        for TREE in base current base current; do
+            echo "-- $TREE"
+            (if [ $TREE = base ]; then cd .serve_whl/base; fi
+             python3 bench/gil_share.py --rows 256 --steps 150 --rounds 3 --modes "none thread" --seed $SEED --data $DATA \
+                 2>&1 | grep -v "nanobind\|leaked\|skipped remainder")
         done ;;
     tests)
         stop_server
