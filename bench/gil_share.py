@@ -29,7 +29,10 @@ it, the same under CPU taken.
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import multiprocessing
+import operator
 import random
 import statistics
 import sys
@@ -56,6 +59,8 @@ from llgtrt_core.engine.torch_engine import GIL_SWITCH_INTERVAL_CUDA_S  # noqa: 
 from llgtrt_core.heap import freeze_loaded_objects  # noqa: E402
 
 MODES = ("none", "thread", "process")
+_NEW_ROW = functools.partial(tuple.__new__, ConstrainedRow)  # as constraint_stage.py builds them, in C
+_NEGATIVE = functools.partial(operator.gt, 0)  # 0 > entry: a row that starts again
 Step = list[int]  # per row: the token to commit, or -1 - g: a fresh constraint of grammar g (nothing to commit)
 
 
@@ -76,13 +81,13 @@ class FillSide:
         self.constraints: list = [None] * rows
 
     def fill(self, step: Step) -> torch.Tensor:
-        rows = []
-        for j, entry in enumerate(step):
-            if entry < 0:
-                self.constraints[j] = self.compiler.new_constraint(self.grammars[-1 - entry], "response_format",
-                                                                   loop_guard=self.guard)
-            rows.append(ConstrainedRow(self.constraints[j], j, None if entry < 0 else entry))
-        return self.processor.fill(rows)
+        """The step's rows built as the server's fill thread builds them (C-level passes, the
+        constraints of rows that started again aside), then the server's fill."""
+        for j in itertools.compress(range(len(step)), map(_NEGATIVE, step)):
+            self.constraints[j] = self.compiler.new_constraint(self.grammars[-1 - step[j]], "response_format",
+                                                               loop_guard=self.guard)
+        tokens = [None if token < 0 else token for token in step] if min(step) < 0 else step
+        return self.processor.fill(list(map(_NEW_ROW, zip(self.constraints, range(len(step)), tokens))))
 
     def timed_fill(self, step: Step) -> float:
         """`fill`, its ms."""
