@@ -82,6 +82,29 @@ sampled_tbt() {  # batch 128 and 256 x 3 rounds on $SEED against the server up, 
     kill $sampler
     python3 bench/thread_switches.py waves --samples $OUT/threads_$1.jsonl --tbt $OUT/constrained_tbt_$1.json
 }
+thief_halves() {  # "$@" with nothing taken, then with bench/cpu_thief.py taking $THIEF_CORES ($CORES says which)
+    for CORES in 0 ${THIEF_CORES:-2}; do
+        echo "-- CPU taken by bench/cpu_thief.py: $CORES cores"
+        if [ $CORES != 0 ]; then
+            python3 bench/cpu_thief.py --cores $CORES --burst-ms ${THIEF_BURST_MS:-4} --seconds 300 &  # ends on its own too
+            THIEF=$!
+        fi
+        "$@"
+        if [ $CORES != 0 ]; then kill $THIEF; wait $THIEF; fi
+    done
+}
+each_tree() {  # "$@" in base / current / base / current: .serve_whl/base (bench/base_tree.sh), the working tree
+    for TREE in base current base current; do
+        echo "-- $TREE"
+        (if [ $TREE = base ]; then cd .serve_whl/base; fi; "$@")
+    done
+}
+fill_step_tree() { python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3 --seed $SEED --data $DATA 2>&1 | grep -E "^  |^seed|CPUs"; }
+gil_share() { python3 bench/gil_share.py --rows 256 --steps 150 --rounds 3 --seed $SEED "$@" 2>&1 | grep -v "nanobind\|leaked\|skipped remainder"; }
+thief_tbt() {
+    python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 3 --max-tokens 64 --seed $SEED \
+        --data $D --json $OUT/constrained_tbt_thief_$CORES.json | grep -v "^|"
+}
 for stage in "$@"; do
     echo "== $stage $(date -u +%H:%M:%S), CPU seconds stolen so far $(stolen_s)"
     case $stage in
@@ -137,12 +160,7 @@ for stage in "$@"; do
     fillab)
         SEED=${SEED:-$(random_seed)}
         DATA=$PWD/$D
-        for TREE in base current base current; do
-            echo "-- $TREE"
-            (if [ $TREE = base ]; then cd .serve_whl/base; fi
-             python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3 --seed $SEED --data $DATA \
-                 2>&1 | grep -E "^  |^seed|CPUs")
-        done ;;
+        each_tree fill_step_tree ;;
     ab)
         SEED=${SEED:-$(random_seed)}
         RUN=0
@@ -181,36 +199,13 @@ for stage in "$@"; do
     thief)
         serve
         SEED=${SEED:-$(random_seed)}
-        for CORES in 0 ${THIEF_CORES:-2}; do
-            echo "-- CPU taken by bench/cpu_thief.py: $CORES cores"
-            if [ $CORES != 0 ]; then
-                python3 bench/cpu_thief.py --cores $CORES --burst-ms ${THIEF_BURST_MS:-4} --seconds 300 &  # ends on its own too
-                THIEF=$!
-            fi
-            python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 3 --max-tokens 64 --seed $SEED \
-                --data $D --json $OUT/constrained_tbt_thief_$CORES.json | grep -v "^|"
-            if [ $CORES != 0 ]; then kill $THIEF; wait $THIEF; fi
-        done ;;
+        thief_halves thief_tbt ;;
     gil)
         SEED=${SEED:-$(random_seed)}
-        for CORES in 0 ${THIEF_CORES:-2}; do
-            echo "-- CPU taken by bench/cpu_thief.py: $CORES cores"
-            if [ $CORES != 0 ]; then
-                python3 bench/cpu_thief.py --cores $CORES --burst-ms ${THIEF_BURST_MS:-4} --seconds 240 &
-                THIEF=$!
-            fi
-            python3 bench/gil_share.py --rows 256 --steps 150 --rounds 3 --seed $SEED --data $D 2>&1 | grep -v "nanobind\|leaked"
-            if [ $CORES != 0 ]; then kill $THIEF; wait $THIEF; fi
-        done ;;
+        thief_halves gil_share --data $D ;;
     gilab)
         SEED=${SEED:-$(random_seed)}
-        DATA=$PWD/$D
-        for TREE in base current base current; do
-            echo "-- $TREE"
-            (if [ $TREE = base ]; then cd .serve_whl/base; fi
-             python3 bench/gil_share.py --rows 256 --steps 150 --rounds 3 --modes "none thread" --seed $SEED --data $DATA \
-                 2>&1 | grep -v "nanobind\|leaked\|skipped remainder")
-        done ;;
+        each_tree gil_share --modes "none thread" --data $PWD/$D ;;
     tests)
         stop_server
         python3 -m pytest -q -x tests/test_engine_gpu.py tests/test_scheduler.py tests/test_constraint_stage.py \
