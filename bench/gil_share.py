@@ -39,7 +39,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from multiprocessing.connection import Connection
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -117,7 +118,7 @@ class FillSide:
         return recorded
 
 
-def fill_process(conn, args: argparse.Namespace, seed: int, recorded: list[Step]) -> None:
+def fill_process(conn: Connection, args: argparse.Namespace, seed: int, recorded: list[Step]) -> None:
     """The `process` mode's fill: replays step i when sent i, answers when its masks are done."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_CUDA_S)
     side = FillSide(args.data, seed, args.rows, args.schemas, args.max_tokens, args.loop_guard == "on")
@@ -182,7 +183,7 @@ class EngineStandIn:
             pass_ms *= statistics.median(phases["before"]) / before_ms
 
 
-def _median_ms(work, repeats: int = 50) -> float:
+def _median_ms(work: Callable[[], object], repeats: int = 50) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -192,7 +193,8 @@ def _median_ms(work, repeats: int = 50) -> float:
 
 
 def run_round(mode: str, engine: EngineStandIn, recorded: list[Step], period_s: float,
-              start_fill, wait_fill) -> dict[str, list[float]]:
+              start_fill: Optional[Callable[[int], object]], wait_fill: Optional[Callable[[int], float]]
+              ) -> dict[str, list[float]]:
     """One pass over the recorded steps: each phase's ms a step."""
     phases: dict[str, list[float]] = {"before": [], "wait": [], "after": [], "chain": [], "fill": []}
     for index in range(len(recorded)):
