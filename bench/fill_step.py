@@ -43,10 +43,10 @@ from llguidance.torch import allocate_token_bitmask
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from constrained_tbt import DEFAULT_DATA, schema_candidates  # noqa: E402
+from constrained_tbt import DEFAULT_DATA  # noqa: E402
 from llama3 import EOT_ID  # noqa: E402
 from measure import machine  # noqa: E402
-from slow_masks import compiled, llama3_compiler  # noqa: E402
+from slow_masks import compiled_draw, llama3_compiler  # noqa: E402
 
 from llgtrt_core.config import LlguidanceConfig  # noqa: E402
 from llgtrt_core.heap import freeze_loaded_objects  # noqa: E402
@@ -117,13 +117,7 @@ def main() -> None:
     print(f"seed {seed}\n{machine()}")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_CUDA_S)  # as the engine process on a GPU sets it
     compiler = llama3_compiler()
-    grammars = []
-    for _, schema in schema_candidates(args.data, 0, seed):
-        grammar = compiled(compiler, schema)
-        if grammar is not None:
-            grammars.append(grammar)
-        if len(grammars) == args.schemas:
-            break
+    grammars = compiled_draw(compiler, args.data, seed, args.schemas)
     slow_s = LlguidanceConfig().slow_mask_ms / 1e3
     if args.per_row:  # as the server's compiler marks them
         slow = [grammar for grammar in grammars

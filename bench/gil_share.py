@@ -37,7 +37,7 @@ import random
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from multiprocessing.connection import Connection
 from typing import Callable, Optional
@@ -48,10 +48,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from constrained_tbt import DEFAULT_DATA, schema_candidates  # noqa: E402
+from constrained_tbt import DEFAULT_DATA  # noqa: E402
 from llama3 import EOT_ID  # noqa: E402
 from measure import machine  # noqa: E402
-from slow_masks import compiled, llama3_compiler  # noqa: E402
+from slow_masks import compiled_draw, llama3_compiler  # noqa: E402
 
 from llgtrt_core.constraints.mask_probe import draw_allowed  # noqa: E402
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor  # noqa: E402
@@ -70,13 +70,7 @@ class FillSide:
 
     def __init__(self, data: Path, seed: int, rows: int, schemas: int, max_tokens: int, loop_guard: bool) -> None:
         self.compiler = llama3_compiler()
-        self.grammars = []
-        for _, schema in schema_candidates(data, 0, seed):
-            grammar = compiled(self.compiler, schema)
-            if grammar is not None:
-                self.grammars.append(grammar)
-            if len(self.grammars) == schemas:
-                break
+        self.grammars = compiled_draw(self.compiler, data, seed, schemas)
         self.guard = LoopGuardSettings(max_tokens=max_tokens) if loop_guard else None
         self.processor = MaskPostProcessor(self.compiler.tokenizer, rows)
         self.constraints: list = [None] * rows
@@ -179,7 +173,7 @@ class EngineStandIn:
         for _ in range(4):
             self.passes_before = max(1, round(before_ms / pass_ms))
             self.passes_after = max(1, round(after_ms / pass_ms))
-            phases = run_round("none", self, [[]] * 30, period_s, None, None)
+            phases = run_round(self, [[]] * 30, period_s)
             pass_ms *= statistics.median(phases["before"]) / before_ms
 
 
@@ -192,19 +186,19 @@ def _median_ms(work: Callable[[], object], repeats: int = 50) -> float:
     return 1e3 * statistics.median(times)
 
 
-def run_round(mode: str, engine: EngineStandIn, recorded: list[Step], period_s: float,
-              start_fill: Optional[Callable[[int], object]], wait_fill: Optional[Callable[[int], float]]
-              ) -> dict[str, list[float]]:
-    """One pass over the recorded steps: each phase's ms a step."""
+def run_round(engine: EngineStandIn, recorded: list[Step], period_s: float,
+              fill: Optional[tuple[Callable[[int], object], Callable[[int], float]]] = None) -> dict[str, list[float]]:
+    """One pass over the recorded steps, with `fill` (start step i's fill, wait for it: its ms) or
+    none: each phase's ms a step."""
     phases: dict[str, list[float]] = {"before": [], "wait": [], "after": [], "chain": [], "fill": []}
     for index in range(len(recorded)):
         start = time.perf_counter()
-        if mode != "none":
-            start_fill(index)
+        if fill is not None:
+            fill[0](index)
         engine.before()
         ready = time.perf_counter()
-        if mode != "none":
-            phases["fill"].append(wait_fill(index))
+        if fill is not None:
+            phases["fill"].append(fill[1](index))
         waited = time.perf_counter()
         engine.after()
         end = time.perf_counter()
@@ -255,15 +249,13 @@ def main() -> None:
     engine.calibrate(args.before_ms, args.after_ms, args.before_calls, args.after_calls, args.period_ms / 1e3)
     freeze_loaded_objects()
     pool = ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
-    future: list[Optional[object]] = [None]
-    fills = {
-        "thread": (lambda i: future.__setitem__(0, pool.submit(side.timed_fill, recorded[i])),
-                   lambda i: future[0].result()),
-        "process": (conn and conn.send, lambda i: conn.recv()),
-        "none": (None, None),
-    }
+    pending: list[Future] = []  # the thread's fill of the step under way
+    fills = {"none": None, "thread": (lambda i: pending.append(pool.submit(side.timed_fill, recorded[i])),
+                                      lambda i: pending.pop().result())}
+    if conn is not None:
+        fills["process"] = (conn.send, lambda i: conn.recv())
     for mode in set(modes) - {"none"}:  # warm llguidance's caches on each fill side
-        run_round(mode, engine, recorded, 0.0, *fills[mode])
+        run_round(engine, recorded, 0.0, fills[mode])
     print(f"{args.rows} rows of {len(side.grammars)} schemas, {args.steps} steps a round, period {args.period_ms} ms; "
           f"stand-in alone: {args.before_ms} ms before the masks, {args.after_ms} ms after, {args.before_calls} and "
           f"{args.after_calls} torch calls; loop guards {args.loop_guard}", flush=True)
@@ -273,7 +265,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         turn = round_ % len(modes)
         for mode in modes[turn:] + modes[:turn]:
-            phases = run_round(mode, engine, recorded, args.period_ms / 1e3, *fills[mode])
+            phases = run_round(engine, recorded, args.period_ms / 1e3, fills[mode])
             chains[mode].append(statistics.mean(phases["chain"]))
             print(f"{mode:8s} {round_ + 1:5d} | " + " | ".join(quantiles(phases[name]) if phases[name] else "-"
                                                            for name in ("before", "wait", "after", "chain", "fill")),

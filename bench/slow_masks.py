@@ -58,6 +58,18 @@ def compiled(compiler: GrammarCompiler, schema: dict[str, Any]) -> Optional[Comp
         return None
 
 
+def compiled_draw(compiler: GrammarCompiler, data: Path, seed: int, count: int) -> list[CompiledGrammar]:
+    """The first `count` schemas of the pool shuffled by `seed` that the server accepts, compiled."""
+    grammars = []
+    for _, schema in schema_candidates(data, 0, seed):
+        grammar = compiled(compiler, schema)
+        if grammar is not None:
+            grammars.append(grammar)
+        if len(grammars) == count:
+            break
+    return grammars
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="MaskBench folder or a .jsonl.gz pool")
