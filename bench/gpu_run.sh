@@ -19,6 +19,12 @@
 #           bench/base_tree.sh put in .serve_whl/base, current the working tree (two versions of the code on
 #           one machine); the engine process's threads sampled (bench/thread_switches.py). Four servers
 #           outlast one 10-minute call on a fresh machine (session 27): AB_TREES="base current" twice instead
+#   pair    batch 128 and 256, $PAIR_ROUNDS (default 6) rounds of one wave each on one seed ($SEED, default a random
+#           one) against two servers up at once, base (.serve_whl/base, port 3001) and current (the working tree,
+#           port 3000), the rounds interleaved (base first in odd rounds, current first in even ones) so that CPU
+#           the hypervisor takes in a stretch falls on both; each server's KV cache bounded to $PAIR_KV_TOKENS
+#           (default 196608) so that both fit; bench/pair_rounds.py pairs the rounds ($OUT/pair_rounds.txt;
+#           every round's JSON and log in $OUT/pair.tar.gz)
 #   fill    bench/fill_step.py on this machine's host, 256 rows x 3 rounds (no GPU): how fast it fills masks,
 #           then each row's mask alone on one seed (--per-row: the slowest row a batched fill waits for)
 #           (in the server an H100 host's masks took 3.2-4.1 ms a step at batch 256, the H200s' 1.8-1.9,
@@ -57,9 +63,10 @@ random_seed() { python3 -c 'import random; print(random.randrange(2**31))'; }  #
 stop_server() {  # this call's server or an earlier call's (its KV cache holds most of the GPU's memory)
     # The last one started, whichever shell started it: $SERVER_GROUP is this shell's, and a base
     # tree's server (ab) starts in a subshell, so it once named a server already stopped.
-    local group=$(cat /tmp/server.pgid 2>/dev/null)
-    if [ -n "$group" ]; then kill -- -$group 2>/dev/null; fi
-    rm -f /tmp/server.pgid
+    local pgid
+    for pgid in /tmp/server*.pgid; do  # both of the `pair` stage's
+        if [ -f $pgid ]; then kill -- -$(cat $pgid) 2>/dev/null; rm -f $pgid; fi
+    done
     # The API workers and the engine process have process groups of their own and outlive the
     # arbiter by seconds: a benchmark started beside a dying engine process measured 22k tok/s, not 27k.
     for _ in $(seq 60); do pgrep -f "llgtrt_core.engine.core_process|_bentoml_impl.worker" > /dev/null || break; sleep 1; done
@@ -169,6 +176,31 @@ for stage in "$@"; do
             serve_tree $TREE
             sampled_tbt ab${RUN}_$TREE
         done
+        stop_server ;;
+    pair)
+        SEED=${SEED:-$(random_seed)}
+        stop_server
+        rm -rf /tmp/pair && mkdir /tmp/pair
+        [ -d /tmp/llama-home/models/llama3-8b-random ] || python3 bench/random_checkpoint.py || exit 1
+        echo "{runtime: {kv_cache_max_tokens: ${PAIR_KV_TOKENS:-196608}}}" > /tmp/pair.json5
+        export LLGTRT_CONFIG=/tmp/pair.json5
+        (cd .serve_whl/base && SERVE_PORT=3001 && source ../../bench/gpu_serve.sh) &
+        BASE_STARTING=$!
+        serve
+        wait $BASE_STARTING || exit 1
+        unset LLGTRT_CONFIG
+        echo "-- base $(cat .serve_whl/base/REVISION) on port 3001, current (working tree) on port 3000; seed $SEED"
+        for ROUND in $(seq ${PAIR_ROUNDS:-6}); do
+            for TREE in $([ $((ROUND % 2)) = 1 ] && echo base current || echo current base); do
+                python3 bench/constrained_tbt.py --url http://127.0.0.1:$([ $TREE = base ] && echo 3001 || echo 3000) \
+                    --batch 128,256 --rounds 1 --max-tokens 64 --seed $SEED --data $D \
+                    --json /tmp/pair/pair_${ROUND}_$TREE.json > /tmp/pair/pair_${ROUND}_$TREE.log 2>&1 \
+                    || tail -5 /tmp/pair/pair_${ROUND}_$TREE.log
+            done
+        done
+        python3 bench/pair_rounds.py /tmp/pair/pair_*.json | tee $OUT/pair_rounds.txt
+        cp /tmp/server_3001.log /tmp/pair/server_base.log
+        tar czf $OUT/pair.tar.gz -C /tmp pair  # one file: the device returns a few dozen at most
         stop_server ;;
     apart)
         SEED=${SEED:-$(random_seed)}
