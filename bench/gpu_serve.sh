@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Sourced at the start of a device call (docs/benchmarks/engine.md): installs the service's missing
 # wheels (.serve_whl/, ignored by git: bench/serve_wheels.sh builds it here), stores the random-weight
-# Llama-3-8B model (bench/random_checkpoint.py) and starts `bentoml serve .` on it at 127.0.0.1:$SERVE_PORT
-# (default 3000; log: /tmp/server.log, bench/gpu_run.sh copies it to $OUT; another port's server, the
-# second of gpu_run.sh's `pair` stage, logs to /tmp/server_$SERVE_PORT.log), unless a server left by an earlier
-# call on the same warm machine still answers there; `source bench/gpu_serve.sh --no-server` starts none.
+# Llama-3-8B model (bench/random_checkpoint.py) and starts `bentoml serve .` on it at
+# 127.0.0.1:$SERVE_PORT (default 3000; log: /tmp/server.log, which bench/gpu_run.sh copies to $OUT;
+# another port's server, the second of gpu_run.sh's `pair` stage, logs to /tmp/server_$SERVE_PORT.log),
+# unless a server left by an earlier call on the same warm machine still answers there;
+# `source bench/gpu_serve.sh --no-server` starts none.
 [ -d /tmp/site/bentoml ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     .serve_whl/*.whl || return 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH BENTOML_HOME=/tmp/llama-home BENTOML_DO_NOT_TRACK=true
