@@ -61,8 +61,8 @@ D=.serve_whl/maskbench_pool.jsonl.gz
 stolen_s() { awk '/^cpu /{printf "%.1f", $9 / 100}' /proc/stat; }  # the host's CPU seconds the hypervisor took
 random_seed() { python3 -c 'import random; print(random.randrange(2**31))'; }  # one draw for runs to compare
 stop_server() {  # this call's server or an earlier call's (its KV cache holds most of the GPU's memory)
-    # The last one started, whichever shell started it: $SERVER_GROUP is this shell's, and a base
-    # tree's server (ab) starts in a subshell, so it once named a server already stopped.
+    # Every one started, whichever shell started it (from the pid files): $SERVER_GROUP is this
+    # shell's, and a base tree's server (ab, pair) starts in a subshell.
     local pgid
     for pgid in /tmp/server*.pgid; do  # both of the `pair` stage's
         if [ -f $pgid ]; then kill -- -$(cat $pgid) 2>/dev/null; rm -f $pgid; fi
@@ -79,13 +79,16 @@ serve_tree() {  # a fresh server of `base` (.serve_whl/base, bench/base_tree.sh)
     echo "-- $1 ($([ $1 = base ] && cat .serve_whl/base/REVISION || echo working tree)), served from" \
         "$(readlink /proc/$(cat /tmp/server.pgid)/cwd)"
 }
+waves_128_256() {  # URL ROUNDS JSON [FLAGS]: constrained_tbt at batch 128 and 256 on $SEED, its per-wave table left out
+    python3 bench/constrained_tbt.py --url $1 --batch 128,256 --rounds $2 --max-tokens 64 --seed $SEED --data $D \
+        --json $3 "${@:4}" | grep -v "^|"
+}
 sampled_tbt() {  # batch 128 and 256 x 3 rounds on $SEED against the server up, its engine process's threads
     # sampled: $OUT/constrained_tbt_$1.json, $OUT/threads_$1.jsonl, and the switches a step per wave
     python3 bench/thread_switches.py sample --pid $(pgrep -f llgtrt_core.engine.core_process | head -1) \
         --out $OUT/threads_$1.jsonl &
     local sampler=$!
-    python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 3 --max-tokens 64 --seed $SEED \
-        --data $D --json $OUT/constrained_tbt_$1.json | grep -v "^|"
+    waves_128_256 $SERVER 3 $OUT/constrained_tbt_$1.json
     kill $sampler
     python3 bench/thread_switches.py waves --samples $OUT/threads_$1.jsonl --tbt $OUT/constrained_tbt_$1.json
 }
@@ -108,10 +111,7 @@ each_tree() {  # "$@" in base / current / base / current: .serve_whl/base (bench
 }
 fill_step_tree() { python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3 --seed $SEED --data $DATA 2>&1 | grep -E "^  |^seed|CPUs"; }
 gil_share() { python3 bench/gil_share.py --rows 256 --steps 150 --rounds 3 --seed $SEED "$@" 2>&1 | grep -v "nanobind\|leaked\|skipped remainder"; }
-thief_tbt() {
-    python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 3 --max-tokens 64 --seed $SEED \
-        --data $D --json $OUT/constrained_tbt_thief_$CORES.json | grep -v "^|"
-}
+thief_tbt() { waves_128_256 $SERVER 3 $OUT/constrained_tbt_thief_$CORES.json; }
 for stage in "$@"; do
     echo "== $stage $(date -u +%H:%M:%S), CPU seconds stolen so far $(stolen_s)"
     case $stage in
@@ -132,8 +132,7 @@ for stage in "$@"; do
         serve
         SEED=$(random_seed)
         for RUN in aa ab; do
-            python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 6 --max-tokens 64 --seed $SEED \
-                --data $D --json $OUT/constrained_tbt_$RUN.json $([ $RUN = aa ] && echo --control) | grep -v "^|"
+            waves_128_256 $SERVER 6 $OUT/constrained_tbt_$RUN.json $([ $RUN = aa ] && echo --control)
         done ;;
     spy)
         serve
@@ -192,10 +191,9 @@ for stage in "$@"; do
         echo "-- base $(cat .serve_whl/base/REVISION) on port 3001, current (working tree) on port 3000; seed $SEED"
         for ROUND in $(seq ${PAIR_ROUNDS:-6}); do
             for TREE in $([ $((ROUND % 2)) = 1 ] && echo base current || echo current base); do
-                python3 bench/constrained_tbt.py --url http://127.0.0.1:$([ $TREE = base ] && echo 3001 || echo 3000) \
-                    --batch 128,256 --rounds 1 --max-tokens 64 --seed $SEED --data $D \
-                    --json /tmp/pair/pair_${ROUND}_$TREE.json > /tmp/pair/pair_${ROUND}_$TREE.log 2>&1 \
-                    || tail -5 /tmp/pair/pair_${ROUND}_$TREE.log
+                WAVES=/tmp/pair/pair_${ROUND}_$TREE
+                waves_128_256 http://127.0.0.1:$([ $TREE = base ] && echo 3001 || echo 3000) 1 $WAVES.json > $WAVES.log 2>&1
+                [ -f $WAVES.json ] || tail -5 $WAVES.log
             done
         done
         python3 bench/pair_rounds.py /tmp/pair/pair_*.json | tee $OUT/pair_rounds.txt
@@ -210,8 +208,7 @@ for stage in "$@"; do
             export LLGTRT_STEP_LOG=$OUT/steps_apart_$MODE.jsonl
             if [ $MODE = off ]; then export LLGTRT_CONFIG=/tmp/apart_off.json5; else unset LLGTRT_CONFIG; fi
             source bench/gpu_serve.sh || exit 1
-            python3 bench/constrained_tbt.py --url $SERVER --batch 128,256 --rounds 3 --max-tokens 64 --seed $SEED \
-                --data $D --json $OUT/constrained_tbt_apart_$MODE.json | grep -v "^|"
+            waves_128_256 $SERVER 3 $OUT/constrained_tbt_apart_$MODE.json
             curl -s $SERVER/metrics | grep "^llgtrt:grammar_mask_sit_outs_total"
             grep -h "token masks take" /tmp/server.log | cut -c1-200
         done
