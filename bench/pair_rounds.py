@@ -3,7 +3,10 @@ round one wave pair (plain, then json_schema) per batch size against each, the t
 back. Per batch size: each tree's time-per-output-token ratios (json_schema / plain) by round, their
 median and range, and the difference current - base within each round, whose median is the A/B.
 A round in which the hypervisor took CPU from one tree's waves and not the other's shows it: the
-cores it took in each wave are listed beside the ratio.
+cores it took in each wave are listed beside the ratio. Then where each tree's json_schema steps spent
+the host's time, ms a step (range over the rounds): the engine thread off its CPU in its own phases
+(waiting for the GIL, or on a vCPU the hypervisor paused; its waits for the GPU and the fill left
+out), its wait for the fill, and each of the fill's phases (`fill.*`).
 
     python bench/pair_rounds.py OUT/pair_*.json
 """
@@ -38,6 +41,28 @@ def wave(row: dict) -> str:
             f"{steal['unconstrained']:.2f} / {steal['constrained']:.2f})")
 
 
+def host_ms(row: dict) -> dict[str, list[float]]:
+    """A wave pair's json_schema waves: ms a step of the engine thread off its CPU, of its wait for
+    the fill and of each of the fill's phases, one value a wave."""
+    spent: dict[str, list[float]] = defaultdict(list)
+    for wave_phases in (entry["phases"] for entry in row.get("engine_by_round", {}).get("constrained", [])):
+        spent["off CPU"].append(sum(phase["wall_s"] - phase["cpu_s"] for name, phase in wave_phases.items()
+                                    if name not in ("gpu_wait", "fill_wait") and not name.startswith("fill.")))
+        for name, phase in wave_phases.items():
+            if name == "fill_wait" or name.startswith("fill."):
+                spent[name].append(phase["wall_s"])
+    return spent
+
+
+def host_line(rows: list[dict]) -> str:
+    spent: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        for name, values in host_ms(row).items():
+            spent[name] += values
+    return ", ".join(f"{name} {min(values):.2f}-{max(values):.2f}" for name, values in spent.items()
+                     if max(values) >= 0.05)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", type=Path, nargs="+")
@@ -54,6 +79,9 @@ def main() -> None:
             if ratios:
                 print(f"  {tree}: median {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}, "
                       f"{len(ratios)} rounds)")
+            spent = host_line([trees[tree] for trees in by_round.values() if tree in trees])
+            if spent:
+                print(f"    json_schema steps, ms: {spent}")
         if differences:
             print(f"  current - base within a round: median {statistics.median(differences):+.3f} "
                   f"({min(differences):+.3f} to {max(differences):+.3f}), current lower in "
