@@ -24,7 +24,9 @@
 #           port 3000), the rounds interleaved (base first in odd rounds, current first in even ones) so that CPU
 #           the hypervisor takes in a stretch falls on both; each server's KV cache bounded to $PAIR_KV_TOKENS
 #           (default 196608) so that both fit; bench/pair_rounds.py pairs the rounds ($OUT/pair_rounds.txt;
-#           every round's JSON and log in $OUT/pair.tar.gz)
+#           every round's JSON and log in $OUT/pair.tar.gz). With $PAUSE_CORES, bench/thread_pauses.py stops
+#           that many running threads of the servers at once on average, $PAUSE_MS (default 4) ms each, as the
+#           hypervisor's paused vCPUs did (both trees alike; $OUT/thread_pauses_$PAUSE_CORES.log)
 #   fill    bench/fill_step.py on this machine's host, 256 rows x 3 rounds (no GPU): how fast it fills masks,
 #           then each row's mask alone on one seed (--per-row: the slowest row a batched fill waits for)
 #           (in the server an H100 host's masks took 3.2-4.1 ms a step at batch 256, the H200s' 1.8-1.9,
@@ -43,6 +45,12 @@
 #   switches batch 128 and 256 x 3 rounds on one seed ($SEED, default a random one) with the engine process's
 #           threads sampled (bench/thread_switches.py: CPU, voluntary and involuntary context switches a
 #           step), against a server restarted for each loop-guard mode in $GUARD_MODES (default "on off")
+#   pauses  batch 128 and 256 x 3 rounds on one seed ($SEED, default a random one) against the server up, first
+#           with no thread stopped, then with bench/thread_pauses.py stopping $PAUSE_CORES (default 1) of the
+#           server's running threads at once on average, $PAUSE_MS (default 4) ms each: the hypervisor's paused
+#           vCPUs on demand, where the thief's cores were taken over by idle ones (engine.md "Session 36")
+#   gilpauses bench/gil_share.py's modes (the gil stage's) on one seed, with no thread stopped, then with
+#           bench/thread_pauses.py stopping $PAUSE_CORES of gil_share's (and its fill process's) at once
 #   gil     bench/gil_share.py on this machine's host (no GPU): an engine-thread stand-in beside the fill of 256
 #           rows, the fill on a thread (as the server runs it) or in a process of its own, on one seed ($SEED,
 #           default a random one), first with nothing taken, then with bench/cpu_thief.py taking $THIEF_CORES
@@ -58,6 +66,8 @@ source bench/gpu_serve.sh --no-server || exit 1
 serve() { source bench/gpu_serve.sh || exit 1; }  # the server this call's stages share (an earlier call's, if up)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 D=.serve_whl/maskbench_pool.jsonl.gz
+servers() { for pgid in /tmp/server*.pgid; do echo --pid $(cat $pgid); done; }  # for bench/thread_pauses.py: with
+# their descendants, the servers' processes (API workers, engine process, what that spawns)
 stolen_s() { awk '/^cpu /{printf "%.1f", $9 / 100}' /proc/stat; }  # the host's CPU seconds the hypervisor took
 random_seed() { python3 -c 'import random; print(random.randrange(2**31))'; }  # one draw for runs to compare
 stop_server() {  # this call's server or an earlier call's (its KV cache holds most of the GPU's memory)
@@ -103,6 +113,22 @@ thief_halves() {  # "$@" with nothing taken, then with bench/cpu_thief.py taking
         if [ $CORES != 0 ]; then kill $THIEF; wait $THIEF; fi
     done
 }
+start_pauses() {  # CORES TARGETS...: bench/thread_pauses.py stopping CORES of TARGETS' threads until stop_pauses
+    PAUSES_LOG=$OUT/thread_pauses_$1.log
+    python3 bench/thread_pauses.py --cores $1 --pause-ms ${PAUSE_MS:-4} --seconds 590 "${@:2}" > $PAUSES_LOG 2>&1 &
+    PAUSES=$!
+}
+stop_pauses() { kill $PAUSES; wait $PAUSES; tail -1 $PAUSES_LOG; }
+pause_halves() {  # TARGETS "$@": "$@" with no thread stopped, then with $PAUSE_CORES (default 1) of TARGETS' stopped
+    local targets=$1  # thread_pauses.py's --pid / --match arguments, in one word each split on spaces
+    shift
+    for CORES in 0 ${PAUSE_CORES:-1}; do
+        echo "-- threads stopped by bench/thread_pauses.py ($targets): $CORES at once on average"
+        [ $CORES != 0 ] && start_pauses $CORES $targets
+        "$@"
+        [ $CORES != 0 ] && stop_pauses
+    done
+}
 each_tree() {  # "$@" in base / current / base / current: .serve_whl/base (bench/base_tree.sh), the working tree
     for TREE in base current base current; do
         echo "-- $TREE"
@@ -112,6 +138,7 @@ each_tree() {  # "$@" in base / current / base / current: .serve_whl/base (bench
 fill_step_tree() { python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3 --seed $SEED --data $DATA 2>&1 | grep -E "^  |^seed|CPUs"; }
 gil_share() { python3 bench/gil_share.py --rows 256 --steps 150 --rounds 3 --seed $SEED "$@" 2>&1 | grep -v "nanobind\|leaked\|skipped remainder"; }
 thief_tbt() { waves_128_256 $SERVER 3 $OUT/constrained_tbt_thief_$CORES.json; }
+pauses_tbt() { waves_128_256 $SERVER 3 $OUT/constrained_tbt_pauses_$CORES.json; }
 for stage in "$@"; do
     echo "== $stage $(date -u +%H:%M:%S), CPU seconds stolen so far $(stolen_s)"
     case $stage in
@@ -189,6 +216,7 @@ for stage in "$@"; do
         wait $BASE_STARTING || exit 1
         unset LLGTRT_CONFIG
         echo "-- base $(cat .serve_whl/base/REVISION) on port 3001, current (working tree) on port 3000; seed $SEED"
+        [ -n "${PAUSE_CORES:-}" ] && start_pauses $PAUSE_CORES $(servers)
         for ROUND in $(seq ${PAIR_ROUNDS:-6}); do
             for TREE in $([ $((ROUND % 2)) = 1 ] && echo base current || echo current base); do
                 WAVES=/tmp/pair/pair_${ROUND}_$TREE
@@ -196,6 +224,7 @@ for stage in "$@"; do
                 [ -f $WAVES.json ] || tail -5 $WAVES.log
             done
         done
+        [ -n "${PAUSE_CORES:-}" ] && stop_pauses
         python3 bench/pair_rounds.py /tmp/pair/pair_*.json | tee $OUT/pair_rounds.txt
         cp /tmp/server_3001.log /tmp/pair/server_base.log
         tar czf $OUT/pair.tar.gz -C /tmp pair  # one file: the device returns a few dozen at most
@@ -229,6 +258,13 @@ for stage in "$@"; do
         serve
         SEED=${SEED:-$(random_seed)}
         thief_halves thief_tbt ;;
+    pauses)
+        serve
+        SEED=${SEED:-$(random_seed)}
+        pause_halves "$(servers)" pauses_tbt ;;
+    gilpauses)
+        SEED=${SEED:-$(random_seed)}
+        pause_halves "--match bench/gil_share.py" gil_share --data $D ;;
     gil)
         SEED=${SEED:-$(random_seed)}
         thief_halves gil_share --data $D ;;

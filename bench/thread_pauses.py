@@ -1,0 +1,219 @@
+"""Stop the running threads of some processes for a few milliseconds at a time, as a hypervisor
+does when it pauses the vCPU they run on. Issue 15's misses came while the hypervisor took 0.3-1.1
+cores from the GPU machine's host (docs/benchmarks/engine.md, sessions 32, 33 and 36); a thread on a
+paused vCPU stands still where it is, holding what it holds (the GIL among others), and no other
+core can take it over. bench/cpu_thief.py takes cores instead, and the scheduler can move the
+thread it puts aside to an idle core: on a 16-core host with a few busy it reproduced the slowdown
+only in part (session 35). This stops the thread itself.
+
+Each of ceil(--cores) pausers repeats: draw one running thread (state R) of the target processes
+at random (a vCPU the hypervisor pauses is one that runs something, and a busier thread is more
+often the one on it), stop it with ptrace (PTRACE_SEIZE + PTRACE_INTERRUPT: that thread only, its
+process runs on), hold it --pause-ms, let it go, then wait for --cores' share on average. The
+targets: the processes given by --pid or whose command line matches --match (a regular expression)
+and all their descendants, looked up again every second (servers restart). Needs ptrace rights
+over them (root, or their user with Yama's ptrace_scope 0). A stopped thread is let go on SIGTERM
+or SIGINT, and by the kernel if this process dies. Its closing line says what it paused: the
+pauses, the seconds held, the threads held at once on average (its own scan of /proc between
+pauses makes that less than --cores asks when a pauser's share is near 1) and the threads by name.
+
+    python3 bench/thread_pauses.py --pid $(cat /tmp/server.pgid) --cores 1 --seconds 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import errno
+import math
+import os
+import random
+import re
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+PTRACE_DETACH, PTRACE_SEIZE, PTRACE_INTERRUPT = 17, 0x4206, 0x4207
+WALL = 0x40000000  # waitpid's __WALL: a thread of another process, traced by this one
+PTRACE_EVENT_STOP = 128
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+_libc.ptrace.restype = ctypes.c_long
+
+
+def process_tree(roots: list[int], pattern: Optional[re.Pattern[str]]) -> list[int]:
+    """`roots`, the processes whose command line matches `pattern` (this one aside) and every
+    descendant of those."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    found = set(roots)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        children[int(stat[stat.rindex(")") + 2:].split()[1])].append(int(entry.name))  # its parent's pid
+        if pattern is not None and pattern.search(command):
+            found.add(int(entry.name))
+    tree, todo = [], list(found)
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def running_threads(pids: list[int]) -> list[tuple[int, int]]:
+    """(pid, tid) of every thread of `pids` that is running or runnable now."""
+    running = []
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            if stat[stat.rindex(")") + 2] == "R":  # the state follows the name, which may hold spaces
+                running.append((pid, int(tid)))
+    return running
+
+
+def thread_name(pid: int, tid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def stop_thread(tid: int) -> bool:
+    """Stop thread `tid` alone (its process runs on); whether it is stopped now, traced by this one."""
+    if _libc.ptrace(PTRACE_SEIZE, tid, None, None) != 0:
+        if ctypes.get_errno() == errno.EPERM:  # no rights, or traced by another (py-spy)
+            raise PermissionError(f"ptrace refused on thread {tid}: run as root, or as its user with Yama's "
+                                  "ptrace_scope 0, and with no other tracer attached")
+        return False  # gone meanwhile
+    if _libc.ptrace(PTRACE_INTERRUPT, tid, None, None) != 0:
+        _libc.ptrace(PTRACE_DETACH, tid, None, None)
+        return False
+    try:
+        _, status = os.waitpid(tid, WALL)
+    except ChildProcessError:  # it exited meanwhile
+        return False
+    if os.WIFSTOPPED(status) and status >> 16 != PTRACE_EVENT_STOP:
+        # A signal reached it first: the stop is that signal's delivery, which detaching passes on.
+        let_go(tid, os.WSTOPSIG(status))
+        return False
+    return os.WIFSTOPPED(status)
+
+
+def let_go(tid: int, signal_number: int = 0) -> None:
+    _libc.ptrace(PTRACE_DETACH, tid, None, ctypes.c_void_p(signal_number))
+
+
+class Targets:
+    """The processes to pause (`process_tree`), looked up again every second."""
+
+    def __init__(self, roots: list[int], pattern: Optional[re.Pattern[str]]) -> None:
+        self._roots, self._pattern, self._found, self._at = roots, pattern, [], -1.0
+        self._lock = threading.Lock()
+
+    def pids(self) -> list[int]:
+        with self._lock:
+            if self._at < 0 or time.monotonic() - self._at > 1.0:
+                self._found, self._at = process_tree(self._roots, self._pattern), time.monotonic()
+            return self._found
+
+
+class Pauser:
+    """Stops a running thread of the targets at a time, `share` of the time on average."""
+
+    held: set[int] = set()  # threads stopped now, by any pauser: each stops its own
+    held_lock = threading.Lock()
+
+    def __init__(self, targets: Targets, share: float, pause_s: float, draw: random.Random) -> None:
+        self.targets, self.share, self.pause_s, self.draw = targets, share, pause_s, draw
+        self.pauses = 0
+        self.held_s = 0.0
+        self.by_name: collections.Counter[str] = collections.Counter()
+
+    def run(self, until: float, stopping: threading.Event) -> None:
+        mean_gap = self.pause_s * (1 / self.share - 1)  # a pause, then this on average: `share` paused
+        while time.monotonic() < until and not stopping.is_set():
+            if self.pause_one():
+                if mean_gap > 0:
+                    stopping.wait(self.draw.expovariate(1 / mean_gap))
+            else:
+                stopping.wait(0.0005)  # nothing running: an idle vCPU's pause costs nothing
+
+    def pause_one(self) -> bool:
+        running = running_threads(self.targets.pids())
+        with Pauser.held_lock:
+            candidates = [thread for thread in running if thread[1] not in Pauser.held]
+            if not candidates:
+                return False
+            pid, tid = self.draw.choice(candidates)
+            Pauser.held.add(tid)
+        try:
+            if not stop_thread(tid):
+                return False
+            started = time.perf_counter()
+            time.sleep(self.pause_s)
+            let_go(tid)
+            self.held_s += time.perf_counter() - started
+            self.pauses += 1
+            self.by_name[thread_name(pid, tid)] += 1
+            return True
+        finally:
+            with Pauser.held_lock:
+                Pauser.held.discard(tid)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--match", help="regular expression over the processes' command lines")
+    parser.add_argument("--pid", type=int, action="append", help="a process to pause (repeat for more)")
+    parser.add_argument("--cores", type=float, default=1.0, help="threads held stopped at once, on average")
+    parser.add_argument("--pause-ms", type=float, default=4.0, help="how long one thread stands still")
+    parser.add_argument("--seconds", type=float, default=3600.0, help="or until SIGTERM / SIGINT")
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args()
+    if not args.match and not args.pid:
+        parser.error("--match or --pid: which processes")
+    if args.cores <= 0 or args.pause_ms <= 0:
+        parser.error("--cores and --pause-ms must be positive")
+    seed = args.seed if args.seed is not None else random.randrange(1 << 31)
+    targets = Targets(args.pid or [], re.compile(args.match) if args.match else None)
+    count = math.ceil(args.cores)
+    pausers = [Pauser(targets, args.cores / count, args.pause_ms / 1e3, random.Random(seed + i)) for i in range(count)]
+    print(f"thread_pauses: seed {seed}, {args.cores} threads stopped at once on average, {args.pause_ms} ms each, "
+          f"{count} pausers; processes {args.pid or []}, those matching {args.match!r} and their descendants", flush=True)
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    until = time.monotonic() + args.seconds
+    started = time.perf_counter()
+    threads = [threading.Thread(target=p.run, args=(until, stopping), daemon=True) for p in pausers]
+    for thread in threads:
+        thread.start()
+    while any(thread.is_alive() for thread in threads):
+        stopping.wait(0.2)  # the main thread takes the signals
+    elapsed = time.perf_counter() - started
+    pauses, held = sum(p.pauses for p in pausers), sum(p.held_s for p in pausers)
+    names = sum((p.by_name for p in pausers), collections.Counter())
+    print(f"thread_pauses: {pauses} pauses in {elapsed:.1f} s, {held:.2f} s held ({held / max(elapsed, 1e-9):.2f} "
+          f"threads stopped on average); by thread: "
+          + ", ".join(f"{name} {n}" for name, n in names.most_common(12)), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

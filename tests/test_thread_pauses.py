@@ -1,0 +1,64 @@
+"""bench/thread_pauses.py, which stops one running thread of a process at a time as a paused vCPU
+would: the thread stands still for the pause, its process's other threads run on, and every
+thread runs again once the tool ends. On a real child process with ptrace (the tool's own means)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "thread_pauses.py"
+
+# Two threads: one hashing (in C without the GIL: running, so the tool's to draw) and one waking
+# every millisecond; each writes down when it got on. Their timestamps come out as JSON.
+CHILD = """
+import hashlib, json, sys, threading, time
+data, stop = b"x" * 65536, time.perf_counter() + float(sys.argv[1])
+hashing, waking = [], []
+def hash_on():
+    while time.perf_counter() < stop:
+        hashlib.sha256(data).digest()
+        hashing.append(time.perf_counter())
+thread = threading.Thread(target=hash_on)
+thread.start()
+print("started", flush=True)
+while time.perf_counter() < stop:
+    time.sleep(0.001)
+    waking.append(time.perf_counter())
+thread.join()
+print(json.dumps({"hashing": hashing, "waking": waking}))
+"""
+
+PAUSE_S = 0.1
+
+
+def gaps(stamps: list[float], at_least: float) -> list[tuple[float, float]]:
+    return [(a, b) for a, b in zip(stamps, stamps[1:]) if b - a >= at_least]
+
+
+def test_stops_the_running_thread_alone_and_lets_it_go() -> None:
+    child = subprocess.Popen([sys.executable, "-c", CHILD, "4"], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline().strip() == "started"
+    started = time.perf_counter()
+    pauser = subprocess.run([sys.executable, str(SCRIPT), "--pid", str(child.pid), "--cores", "0.5",
+                             "--pause-ms", str(PAUSE_S * 1e3), "--seconds", "2", "--seed", "7"],
+                            capture_output=True, text=True, timeout=60)
+    ended = time.perf_counter()
+    out, _ = child.communicate(timeout=60)
+    stamps = json.loads(out.splitlines()[-1])
+    assert pauser.returncode == 0, pauser.stderr
+    pauses = int(re.search(r"(\d+) pauses in", pauser.stdout)[1])
+    assert pauses >= 3, pauser.stdout
+    # Each pause is a gap of its length in the hashing thread's timestamps (the waking thread is
+    # asleep, not running, nearly always when a thread is drawn).
+    stopped = gaps(stamps["hashing"], 0.9 * PAUSE_S)
+    assert len(stopped) >= 2, (pauser.stdout, stopped)
+    # Its process ran on: the waking thread got on during a pause of the hashing one.
+    assert any(any(a < t < b for t in stamps["waking"]) for a, b in stopped)
+    # Let go: the hashing thread ran after the tool ended, and never stood still that long since.
+    assert stamps["hashing"][-1] > ended > started
+    assert not gaps([t for t in stamps["hashing"] if t > ended], 0.9 * PAUSE_S)
