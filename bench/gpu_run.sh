@@ -102,31 +102,26 @@ sampled_tbt() {  # batch 128 and 256 x 3 rounds on $SEED against the server up, 
     kill $sampler
     python3 bench/thread_switches.py waves --samples $OUT/threads_$1.jsonl --tbt $OUT/constrained_tbt_$1.json
 }
-thief_halves() {  # "$@" with nothing taken, then with bench/cpu_thief.py taking $THIEF_CORES ($CORES says which)
-    for CORES in 0 ${THIEF_CORES:-2}; do
-        echo "-- CPU taken by bench/cpu_thief.py: $CORES cores"
-        if [ $CORES != 0 ]; then
-            python3 bench/cpu_thief.py --cores $CORES --burst-ms ${THIEF_BURST_MS:-4} --seconds 300 &  # ends on its own too
-            THIEF=$!
-        fi
-        "$@"
-        if [ $CORES != 0 ]; then kill $THIEF; wait $THIEF; fi
-    done
+start_thief() {  # CORES: bench/cpu_thief.py taking CORES until stop_thief (it ends on its own too)
+    python3 bench/cpu_thief.py --cores $1 --burst-ms ${THIEF_BURST_MS:-4} --seconds 300 &
+    TAKER=$!
 }
-start_pauses() {  # CORES TARGETS...: bench/thread_pauses.py stopping CORES of TARGETS' threads until stop_pauses
+stop_thief() { kill $TAKER; wait $TAKER; }
+start_pauses() {  # CORES: bench/thread_pauses.py stopping CORES of $PAUSE_TARGETS' threads at once until stop_pauses
     PAUSES_LOG=$OUT/thread_pauses_$1.log
-    python3 bench/thread_pauses.py --cores $1 --pause-ms ${PAUSE_MS:-4} --seconds 590 "${@:2}" > $PAUSES_LOG 2>&1 &
-    PAUSES=$!
+    python3 bench/thread_pauses.py --cores $1 --pause-ms ${PAUSE_MS:-4} --seconds 590 $PAUSE_TARGETS > $PAUSES_LOG 2>&1 &
+    TAKER=$!
 }
-stop_pauses() { kill $PAUSES; wait $PAUSES; tail -1 $PAUSES_LOG; }
-pause_halves() {  # TARGETS "$@": "$@" with no thread stopped, then with $PAUSE_CORES (default 1) of TARGETS' stopped
-    local targets=$1  # thread_pauses.py's --pid / --match arguments, in one word each split on spaces
-    shift
-    for CORES in 0 ${PAUSE_CORES:-1}; do
-        echo "-- threads stopped by bench/thread_pauses.py ($targets): $CORES at once on average"
-        [ $CORES != 0 ] && start_pauses $CORES $targets
+stop_pauses() { kill $TAKER; wait $TAKER; tail -1 $PAUSES_LOG; }
+halves() {  # thief|pauses CORES "$@": "$@" with nothing taken, then with start_thief / start_pauses CORES ($CORES says which)
+    local taker=$1 cores=$2
+    shift 2
+    for CORES in 0 $cores; do
+        echo "-- $([ $taker = thief ] && echo "CPU taken by bench/cpu_thief.py: $CORES cores" ||
+            echo "threads stopped by bench/thread_pauses.py ($PAUSE_TARGETS): $CORES at once on average")"
+        [ $CORES != 0 ] && start_$taker $CORES
         "$@"
-        [ $CORES != 0 ] && stop_pauses
+        [ $CORES != 0 ] && stop_$taker
     done
 }
 each_tree() {  # "$@" in base / current / base / current: .serve_whl/base (bench/base_tree.sh), the working tree
@@ -216,7 +211,8 @@ for stage in "$@"; do
         wait $BASE_STARTING || exit 1
         unset LLGTRT_CONFIG
         echo "-- base $(cat .serve_whl/base/REVISION) on port 3001, current (working tree) on port 3000; seed $SEED"
-        [ -n "${PAUSE_CORES:-}" ] && start_pauses $PAUSE_CORES $(servers)
+        PAUSE_TARGETS=$(servers)
+        [ -n "${PAUSE_CORES:-}" ] && start_pauses $PAUSE_CORES
         for ROUND in $(seq ${PAIR_ROUNDS:-6}); do
             for TREE in $([ $((ROUND % 2)) = 1 ] && echo base current || echo current base); do
                 WAVES=/tmp/pair/pair_${ROUND}_$TREE
@@ -257,17 +253,19 @@ for stage in "$@"; do
     thief)
         serve
         SEED=${SEED:-$(random_seed)}
-        thief_halves thief_tbt ;;
+        halves thief ${THIEF_CORES:-2} thief_tbt ;;
     pauses)
         serve
         SEED=${SEED:-$(random_seed)}
-        pause_halves "$(servers)" pauses_tbt ;;
+        PAUSE_TARGETS=$(servers)
+        halves pauses ${PAUSE_CORES:-1} pauses_tbt ;;
     gilpauses)
         SEED=${SEED:-$(random_seed)}
-        pause_halves "--match bench/gil_share.py" gil_share --data $D ;;
+        PAUSE_TARGETS="--match bench/gil_share.py"
+        halves pauses ${PAUSE_CORES:-1} gil_share --data $D ;;
     gil)
         SEED=${SEED:-$(random_seed)}
-        thief_halves gil_share --data $D ;;
+        halves thief ${THIEF_CORES:-2} gil_share --data $D ;;
     gilab)
         SEED=${SEED:-$(random_seed)}
         each_tree gil_share --modes "none thread" --data $PWD/$D ;;
