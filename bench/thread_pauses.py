@@ -31,7 +31,6 @@ import os
 import random
 import re
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -196,7 +195,8 @@ def main() -> None:
     count = math.ceil(args.cores)
     pausers = [Pauser(targets, args.cores / count, args.pause_ms / 1e3, random.Random(seed + i)) for i in range(count)]
     print(f"thread_pauses: seed {seed}, {args.cores} threads stopped at once on average, {args.pause_ms} ms each, "
-          f"{count} pausers; processes {args.pid or []}, those matching {args.match!r} and their descendants", flush=True)
+          f"{count} pausers; processes {args.pid or []}, those matching {args.match!r} and their descendants",
+          flush=True)
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
@@ -216,4 +216,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

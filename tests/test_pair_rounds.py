@@ -64,7 +64,8 @@ def test_says_where_each_trees_json_schema_steps_spent_the_host(tmp_path: Path) 
     paths = []
     for number, (off_cpu_ms, fill_wait_ms) in enumerate([(1.2, 0.5), (0.8, 0.7)], 1):
         path = tmp_path / f"pair_{number}_base.json"
-        path.write_text(json.dumps({"rows": [{**wave_pair(256, 1.0), "engine_by_round": waves(off_cpu_ms, fill_wait_ms)}]}))
+        row = {**wave_pair(256, 1.0), "engine_by_round": waves(off_cpu_ms, fill_wait_ms)}
+        path.write_text(json.dumps({"rows": [row]}))
         paths.append(path)
     result = run(paths)
     assert result.returncode == 0, result.stderr
