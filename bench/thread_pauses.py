@@ -6,16 +6,16 @@ core can take it over. bench/cpu_thief.py takes cores instead, and the scheduler
 thread it puts aside to an idle core: on a 16-core host with a few busy it reproduced the slowdown
 only in part (session 35). This stops the thread itself.
 
-Each of ceil(--cores) pausers repeats: draw one running thread (state R) of the target processes
-at random (a vCPU the hypervisor pauses is one that runs something, and a busier thread is more
-often the one on it), stop it with ptrace (PTRACE_SEIZE + PTRACE_INTERRUPT: that thread only, its
-process runs on), hold it --pause-ms, let it go, then wait for --cores' share on average. The
-targets: the processes given by --pid or whose command line matches --match (a regular expression)
-and all their descendants, looked up again every second (servers restart). Needs ptrace rights
-over them (root, or their user with Yama's ptrace_scope 0). A stopped thread is let go on SIGTERM
-or SIGINT, and by the kernel if this process dies. Its closing line says what it paused: the
-pauses, the seconds held, the threads held at once on average (its own scan of /proc between
-pauses makes that less than --cores asks when a pauser's share is near 1) and the threads by name.
+Each of ceil(--cores) pausers repeats: draw one running thread (state R) of the target processes at
+random (a vCPU the hypervisor pauses is one that runs something, and a busier thread is more often
+the one on it), stop it with ptrace (PTRACE_SEIZE + PTRACE_INTERRUPT: that thread only, its process
+runs on), hold it --pause-ms, let it go, then wait for --cores' share on average. The targets: the
+processes given by --pid or whose command line matches --match (a regular expression) and all their
+descendants, looked up again every second (servers restart). Needs ptrace rights over them (root, or
+their user with Yama's ptrace_scope 0). A stopped thread is let go on SIGTERM or SIGINT, and by the
+kernel if this process dies. Its closing line says what it paused: the pauses, the seconds held, the
+threads held at once on average (its own scan of /proc between pauses makes that less than --cores
+asks when a pauser's share is near 1) and the threads by process and name.
 
     python3 bench/thread_pauses.py --pid $(cat /tmp/server.pgid) --cores 1 --seconds 60
 """
@@ -88,10 +88,18 @@ def running_threads(pids: list[int]) -> list[tuple[int, int]]:
 
 
 def thread_name(pid: int, tid: int) -> str:
+    """The thread's name and its process's (the module or script it runs: Python threads mostly
+    share the interpreter's name)."""
     try:
-        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[1:]
     except OSError:
         return "?"
+    if argv and argv[0] in ("-m", "-c") and len(argv) > 1:
+        process = next((line.strip() for line in argv[1].splitlines() if line.strip()), "")[:40]
+    else:
+        process = os.path.basename(argv[0]) if argv else "?"
+    return f"{process}:{comm}"
 
 
 def stop_thread(tid: int) -> bool:
