@@ -66,8 +66,8 @@ source bench/gpu_serve.sh --no-server || exit 1
 serve() { source bench/gpu_serve.sh || exit 1; }  # the server this call's stages share (an earlier call's, if up)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 D=.serve_whl/maskbench_pool.jsonl.gz
-servers() { for pgid in /tmp/server*.pgid; do echo --pid $(cat $pgid); done; }  # for bench/thread_pauses.py: with
-# their descendants, the servers' processes (API workers, engine process, what that spawns)
+# The servers up, as bench/thread_pauses.py's --pid arguments (it adds their API workers, engine process and fill's)
+servers() { for pgid in /tmp/server*.pgid; do echo --pid $(cat $pgid); done; }
 stolen_s() { awk '/^cpu /{printf "%.1f", $9 / 100}' /proc/stat; }  # the host's CPU seconds the hypervisor took
 random_seed() { python3 -c 'import random; print(random.randrange(2**31))'; }  # one draw for runs to compare
 stop_server() {  # this call's server or an earlier call's (its KV cache holds most of the GPU's memory)

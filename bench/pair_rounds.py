@@ -41,24 +41,17 @@ def wave(row: dict) -> str:
             f"{steal['unconstrained']:.2f} / {steal['constrained']:.2f})")
 
 
-def host_ms(row: dict) -> dict[str, list[float]]:
-    """A wave pair's json_schema waves: ms a step of the engine thread off its CPU, of its wait for
-    the fill and of each of the fill's phases, one value a wave."""
-    spent: dict[str, list[float]] = defaultdict(list)
-    for wave_phases in (entry["phases"] for entry in row.get("engine_by_round", {}).get("constrained", [])):
-        spent["off CPU"].append(sum(phase["wall_s"] - phase["cpu_s"] for name, phase in wave_phases.items()
-                                    if name not in ("gpu_wait", "fill_wait") and not name.startswith("fill.")))
-        for name, phase in wave_phases.items():
-            if name == "fill_wait" or name.startswith("fill."):
-                spent[name].append(phase["wall_s"])
-    return spent
-
-
 def host_line(rows: list[dict]) -> str:
+    """The json_schema waves of `rows`: ms a step of the engine thread off its CPU, of its wait for
+    the fill and of each of the fill's phases, as ranges over the waves (those under 0.05 left out)."""
     spent: dict[str, list[float]] = defaultdict(list)
     for row in rows:
-        for name, values in host_ms(row).items():
-            spent[name] += values
+        for wave_phases in (entry["phases"] for entry in row.get("engine_by_round", {}).get("constrained", [])):
+            spent["off CPU"].append(sum(phase["wall_s"] - phase["cpu_s"] for name, phase in wave_phases.items()
+                                        if name not in ("gpu_wait", "fill_wait") and not name.startswith("fill.")))
+            for name, phase in wave_phases.items():
+                if name == "fill_wait" or name.startswith("fill."):
+                    spent[name].append(phase["wall_s"])
     return ", ".join(f"{name} {min(values):.2f}-{max(values):.2f}" for name, values in spent.items()
                      if max(values) >= 0.05)
 
