@@ -46,8 +46,8 @@
 #           threads sampled (bench/thread_switches.py: CPU, voluntary and involuntary context switches a
 #           step), against a server restarted for each loop-guard mode in $GUARD_MODES (default "on off")
 #   pauses  batch 128 and 256 x 3 rounds on one seed ($SEED, default a random one) against the server up, first
-#           with no thread stopped, then with bench/thread_pauses.py stopping $PAUSE_CORES (default 1) of the
-#           server's running threads at once on average, $PAUSE_MS (default 4) ms each: the hypervisor's paused
+#           with no thread stopped, then with bench/thread_pauses.py stopping $PAUSE_CORES (default 1; a list
+#           such as "1 2" runs each in turn) of the server's running threads at once on average, $PAUSE_MS (default 4) ms each: the hypervisor's paused
 #           vCPUs on demand, where the thief's cores were taken over by idle ones (engine.md "Session 36")
 #   gilpauses bench/gil_share.py's modes (the gil stage's) on one seed, with no thread stopped, then with
 #           bench/thread_pauses.py stopping $PAUSE_CORES of gil_share's (and its fill process's) at once
@@ -113,7 +113,7 @@ start_pauses() {  # CORES: bench/thread_pauses.py stopping CORES of $PAUSE_TARGE
     TAKER=$!
 }
 stop_pauses() { kill $TAKER; wait $TAKER; tail -1 $PAUSES_LOG; }
-halves() {  # thief|pauses CORES "$@": "$@" with nothing taken, then with start_thief / start_pauses CORES ($CORES says which)
+halves() {  # thief|pauses "CORES..." "$@": "$@" with nothing taken, then with start_thief / start_pauses at each CORES ($CORES says which)
     local taker=$1 cores=$2
     shift 2
     for CORES in 0 $cores; do
@@ -258,11 +258,11 @@ for stage in "$@"; do
         serve
         SEED=${SEED:-$(random_seed)}
         PAUSE_TARGETS=$(servers)
-        halves pauses ${PAUSE_CORES:-1} pauses_tbt ;;
+        halves pauses "${PAUSE_CORES:-1}" pauses_tbt ;;
     gilpauses)
         SEED=${SEED:-$(random_seed)}
         PAUSE_TARGETS="--match bench/gil_share.py"
-        halves pauses ${PAUSE_CORES:-1} gil_share --data $D ;;
+        halves pauses "${PAUSE_CORES:-1}" gil_share --data $D ;;
     gil)
         SEED=${SEED:-$(random_seed)}
         halves thief ${THIEF_CORES:-2} gil_share --data $D ;;
