@@ -16,7 +16,9 @@ in the last 0.1 s are checked for one running now. Needs ptrace rights over them
 their user with Yama's ptrace_scope 0). A stopped thread is let go on SIGTERM or SIGINT, and by the
 kernel if this process dies. Its closing line says what it paused: the pauses, the seconds held, the
 threads held at once on average (less than --cores asks while the targets have fewer threads
-running, and by the time a pause takes to start when a pauser's share is near 1) and the threads by process and name.
+running, and by the time a pause takes to start when a pauser's share is near 1) and the threads by
+process and name. It takes CPU itself: 0.3-0.45 cores beside the server on the GPU machine, the
+"other" of bench/constrained_tbt.py's cores (session 37).
 
     python3 bench/thread_pauses.py --pid $(cat /tmp/server.pgid) --cores 1 --seconds 60
 """
@@ -106,6 +108,8 @@ def thread_name(pid: int, tid: int) -> str:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[1:]
     except OSError:
         return "?"
+    while argv and argv[0].startswith("-") and argv[0] not in ("-m", "-c"):  # the interpreter's flags (-B, -s)
+        argv = argv[1:]
     if argv and argv[0] in ("-m", "-c") and len(argv) > 1:
         process = next((line.strip() for line in argv[1].splitlines() if line.strip()), "")[:40]
     else:
