@@ -30,7 +30,7 @@ engine phases (/v1/engine/stats) and its window, which bench/wave_steps.py match
 a server started with LLGTRT_STEP_LOG, and the host's CPU over the wave in cores' worth (`cpu`: all
 cores busy, and by role: the engine process, the API workers, this benchmark's clients, other;
 the batch's line prints the waves' median of cores busy), to tell a host out of cores from a slow
-engine.
+engine; each batch's plain and json_schema waves' host time follows its line (bench/host_phases.py).
 
     python bench/constrained_tbt.py --batch 1,8 --max-tokens 32                       # CPU
     python bench/constrained_tbt.py --bentoml-home /tmp/llama-home --model llama3-8b-random \
@@ -53,6 +53,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from host_phases import host_ranges  # noqa: E402
 from measure import cpu_used, host_cpu, percentile  # noqa: E402
 from http_load import (  # noqa: E402
     ClientProcesses,
@@ -349,6 +350,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                           f"{r['cores_busy_p50']['unconstrained']:.1f} / {r['cores_busy_p50']['constrained']:.1f} "
                           f"of {os.cpu_count()} (stolen by the hypervisor {r['steal_p50']['unconstrained']:.2f} / "
                           f"{r['steal_p50']['constrained']:.2f})", flush=True)
+                    for kind, label in (("unconstrained", "plain"), ("constrained", "json_schema")):
+                        phases = [wave["phases"] for wave in r["engine_by_round"][kind] if wave.get("phases")]
+                        if phases:
+                            print(f"  {label} waves' host, ms a step: {host_ranges(phases)}", flush=True)
             finally:
                 pool.close()
     print_table(rows)

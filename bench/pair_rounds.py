@@ -4,9 +4,7 @@ back. Per batch size: each tree's time-per-output-token ratios (json_schema / pl
 median and range, and the difference current - base within each round, whose median is the A/B.
 A round in which the hypervisor took CPU from one tree's waves and not the other's shows it: the
 cores it took in each wave are listed beside the ratio. Then where each tree's json_schema steps spent
-the host's time, ms a step (range over the rounds): the engine thread off its CPU in its own phases
-(waiting for the GIL, or on a vCPU the hypervisor paused; its waits for the GPU and the fill left
-out), its wait for the fill, and each of the fill's phases (`fill.*`).
+the host's time, ms a step (range over the rounds; bench/host_phases.py).
 
     python bench/pair_rounds.py OUT/pair_*.json
 """
@@ -17,8 +15,12 @@ import argparse
 import json
 import re
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_phases import host_ranges  # noqa: E402
 
 TREES = ("base", "current")
 
@@ -42,18 +44,9 @@ def wave(row: dict) -> str:
 
 
 def host_line(rows: list[dict]) -> str:
-    """The json_schema waves of `rows`: ms a step of the engine thread off its CPU, of its wait for
-    the fill and of each of the fill's phases, as ranges over the waves (those under 0.05 left out)."""
-    spent: dict[str, list[float]] = defaultdict(list)
-    for row in rows:
-        for wave_phases in (entry["phases"] for entry in row.get("engine_by_round", {}).get("constrained", [])):
-            spent["off CPU"].append(sum(phase["wall_s"] - phase["cpu_s"] for name, phase in wave_phases.items()
-                                        if name not in ("gpu_wait", "fill_wait") and not name.startswith("fill.")))
-            for name, phase in wave_phases.items():
-                if name == "fill_wait" or name.startswith("fill."):
-                    spent[name].append(phase["wall_s"])
-    return ", ".join(f"{name} {min(values):.2f}-{max(values):.2f}" for name, values in spent.items()
-                     if max(values) >= 0.05)
+    """The json_schema waves of `rows`: where their steps spent the host's time (`host_phases`)."""
+    return host_ranges([entry["phases"] for row in rows
+                        for entry in row.get("engine_by_round", {}).get("constrained", [])])
 
 
 def main() -> None:

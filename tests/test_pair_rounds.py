@@ -56,7 +56,7 @@ def test_a_round_missing_one_tree_is_not_paired(tmp_path: Path) -> None:
 def test_says_where_each_trees_json_schema_steps_spent_the_host(tmp_path: Path) -> None:
     def waves(off_cpu_ms: float, fill_wait_ms: float) -> dict:
         phases = {"schedule": {"wall_s": 1.0 + off_cpu_ms, "cpu_s": 1.0},  # wall minus CPU: off its CPU
-                  "gpu_wait": {"wall_s": 3.0, "cpu_s": 0.1},  # waits by design, left out
+                  "gpu_wait": {"wall_s": 3.0, "cpu_s": 0.1},  # a wait: apart, not in the own phases
                   "fill_wait": {"wall_s": fill_wait_ms, "cpu_s": 0.0},
                   "fill.masks": {"wall_s": 2.0, "cpu_s": 0.0}, "fill.guard": {"wall_s": 0.01, "cpu_s": 0.0}}
         return {"constrained": [{"phases": phases}], "unconstrained": []}
@@ -70,7 +70,8 @@ def test_says_where_each_trees_json_schema_steps_spent_the_host(tmp_path: Path) 
     result = run(paths)
     assert result.returncode == 0, result.stderr
     # Phases under 0.05 ms a step in every round (fill.guard) are left out.
-    assert "json_schema steps, ms: off CPU 0.80-1.20, fill_wait 0.50-0.70, fill.masks 2.00-2.00\n" in result.stdout
+    assert ("json_schema steps, ms: own 1.80-2.20, off CPU 0.80-1.20, gpu_wait 3.00-3.00, fill_wait 0.50-0.70, "
+            "fill.masks 2.00-2.00\n") in result.stdout
 
 
 def test_a_file_not_named_by_round_and_tree_is_refused(tmp_path: Path) -> None:
