@@ -42,6 +42,7 @@ from llgtrt_core.constraints.loop_guard import EscapeMasks, Steering, closing_po
 from llgtrt_core.engine.interface import ConstrainedRow, Constraint
 from llgtrt_core.engine.step_profile import StepPhases
 from llgtrt_core.kernels import apply_token_bitmask_inplace, cuda_kernel_available, narrow_to_endings
+from llgtrt_core.os_threads import name_os_thread, os_thread_named
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class MaskPostProcessor:
 
     def __init__(self, ll_tokenizer: LLTokenizer, max_batch_size: int = 64, num_threads: Optional[int] = None):
         self.vocab_size = ll_tokenizer.vocab_size
-        self.pool = MaskPool(num_threads)  # llguidance's default: 80% of the cores, up to 32
+        self.pool = MaskPool(num_threads, "llg-masks")  # llguidance's default: 80% of the cores, up to 32
         # The rows filled apart get a pool of their own: a thread of the batch's pool that waits for
         # a stolen job may pick up a slow row's meanwhile, and the batch's fill would wait for it.
         self._apart_pool: Optional[MaskPool] = None
@@ -105,7 +106,7 @@ class MaskPostProcessor:
         row that fails gets its constraint's error and the EOS-only mask; nothing raises."""
         host = torch.empty(len(rows), self._host_masks.shape[1], dtype=torch.int32)
         if self._apart_pool is None:
-            self._apart_pool = MaskPool(APART_THREADS)
+            self._apart_pool = MaskPool(APART_THREADS, "llg-masks-apart")
         try:
             self._fill_rows(rows, host, self._apart_pool)
         except Exception as e:
@@ -325,9 +326,11 @@ class MaskPool:
     """llguidance's executor for a fill's rows, and a thread beside the fill's for its Python that
     needs no mask (the loop guards), run while the fill's thread computes the masks without the GIL."""
 
-    def __init__(self, num_threads: Optional[int]) -> None:
-        self.executor = LLExecutor(num_threads)
-        self.beside = ThreadPoolExecutor(1, thread_name_prefix="mask-fill-beside")
+    def __init__(self, num_threads: Optional[int], name: str) -> None:
+        with os_thread_named(name):  # llguidance's threads, started now, keep it
+            self.executor = LLExecutor(num_threads)
+        self.beside = ThreadPoolExecutor(1, thread_name_prefix="loop-guard", initializer=name_os_thread,
+                                         initargs=("loop-guard",))
 
 
 class DeviceCopies:

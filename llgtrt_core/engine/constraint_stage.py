@@ -36,6 +36,7 @@ from llgtrt_core.engine.interface import (ApartFiller, ConstrainedRow, Constrain
                                          StagedPostProcessor)
 from llgtrt_core.engine.sequence import Sequence
 from llgtrt_core.engine.step_profile import StepPhases
+from llgtrt_core.os_threads import name_os_thread
 from llgtrt_core.engine.sampler import DeviceMasks
 
 logger = logging.getLogger(__name__)
@@ -85,10 +86,12 @@ class ConstraintStage:
 
     def start(self) -> None:
         if self.post_processor is not None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="mask-fill", initializer=name_os_thread,
+                                            initargs=("mask-fill",))
         if isinstance(self.post_processor, ApartFiller):
             # Two: a row that sat out may still be filling when the others' next job starts.
-            self._apart_pool = ThreadPoolExecutor(2, thread_name_prefix="mask-fill-apart")
+            self._apart_pool = ThreadPoolExecutor(2, thread_name_prefix="mask-fill-apart", initializer=name_os_thread,
+                                                  initargs=("mask-fill-apart",))
 
     def shutdown(self) -> None:
         for pool in (self._pool, self._apart_pool):

@@ -66,6 +66,7 @@ from llgtrt_core.engine.torch_engine_config import TorchEngineConfig
 from llgtrt_core.kernels import int64_to_device
 from llgtrt_core.models.llama import LlamaForCausalLM
 from llgtrt_core.models.loader import load_config, load_model
+from llgtrt_core.os_threads import name_os_thread
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +254,7 @@ class TorchEngine(Engine):
 
     @torch.inference_mode()  # aborts move cache rows too: tensors grown in a step are inference tensors
     def _loop(self) -> None:
+        name_os_thread("torch-engine")
         scheduler = self.scheduler
         compiled = self.runner.compiled_decode  # on the CPU: its compile and the steps take turns
         while True:
