@@ -47,8 +47,11 @@
 #           step), against a server restarted for each loop-guard mode in $GUARD_MODES (default "on off")
 #   pauses  batch 128 and 256 x 3 rounds on one seed ($SEED, default a random one) against the server up, first
 #           with no thread stopped, then with bench/thread_pauses.py stopping $PAUSE_CORES (default 1; a list
-#           such as "1 2" runs each in turn) of the server's running threads at once on average, $PAUSE_MS (default 4) ms each: the hypervisor's paused
-#           vCPUs on demand, where the thief's cores were taken over by idle ones (engine.md "Session 36")
+#           such as "0.5 1" runs each in turn) of the server's running threads at once on average, $PAUSE_MS
+#           (default 4) ms each: the hypervisor's paused vCPUs on demand, where the thief's cores were taken over
+#           by idle ones (engine.md "Session 37"); $PAUSE_THREADS (a regular expression over the threads' names,
+#           llgtrt_core/os_threads.py: torch-engine, mask-fill, llg-masks, loop-guard) stops only those (here
+#           and in `pair`)
 #   gilpauses bench/gil_share.py's modes (the gil stage's) on one seed, with no thread stopped, then with
 #           bench/thread_pauses.py stopping $PAUSE_CORES of gil_share's (and its fill process's) at once
 #   gil     bench/gil_share.py on this machine's host (no GPU): an engine-thread stand-in beside the fill of 256
@@ -109,11 +112,13 @@ start_thief() {  # CORES: bench/cpu_thief.py taking CORES until stop_thief (it e
 stop_thief() { kill $TAKER; wait $TAKER; }
 start_pauses() {  # CORES: bench/thread_pauses.py stopping CORES of $PAUSE_TARGETS' threads at once until stop_pauses
     PAUSES_LOG=$OUT/thread_pauses_$1.log
-    python3 bench/thread_pauses.py --cores $1 --pause-ms ${PAUSE_MS:-4} --seconds 590 $PAUSE_TARGETS > $PAUSES_LOG 2>&1 &
+    python3 bench/thread_pauses.py --cores $1 --pause-ms ${PAUSE_MS:-4} --seconds 590 \
+        ${PAUSE_THREADS:+--threads "$PAUSE_THREADS"} $PAUSE_TARGETS > $PAUSES_LOG 2>&1 &
     TAKER=$!
 }
 stop_pauses() { kill $TAKER; wait $TAKER; tail -1 $PAUSES_LOG; }
-halves() {  # thief|pauses "CORES..." "$@": "$@" with nothing taken, then with start_thief / start_pauses at each CORES ($CORES says which)
+halves() {  # thief|pauses "CORES..." "$@": "$@" with nothing taken, then with start_thief / start_pauses
+    # at each of CORES in turn ($CORES says which)
     local taker=$1 cores=$2
     shift 2
     for CORES in 0 $cores; do

@@ -11,9 +11,9 @@ random (a vCPU the hypervisor pauses is one that runs something, and a busier th
 the one on it), stop it with ptrace (PTRACE_SEIZE + PTRACE_INTERRUPT: that thread only, its process
 runs on), hold it --pause-ms, let it go, then wait for --cores' share on average. The targets: the
 processes given by --pid or whose command line matches --match (a regular expression) and all their
-descendants, looked up again every second (servers restart); of their threads, only those that ran
-in the last 0.1 s are checked for one running now. Needs ptrace rights over them (root, or
-their user with Yama's ptrace_scope 0). A stopped thread is let go on SIGTERM or SIGINT, and by the
+descendants, looked up again every second (servers restart); of their threads (those whose name
+matches --threads, if given), only those that ran in the last 0.1 s are checked for one running
+now. Needs ptrace rights over them (root, or their user with Yama's ptrace_scope 0). A stopped thread is let go on SIGTERM or SIGINT, and by the
 kernel if this process dies. Its closing line says what it paused: the pauses, the seconds held, the
 threads held at once on average (less than --cores asks while the targets have fewer threads
 running, and by the time a pause takes to start when a pauser's share is near 1) and the threads by
@@ -72,15 +72,23 @@ def process_tree(roots: list[int], pattern: Optional[re.Pattern[str]]) -> list[i
     return tree
 
 
-def threads_of(pids: list[int]) -> list[tuple[int, int]]:
-    """(pid, tid) of every thread of `pids`."""
+def threads_of(pids: list[int], names: Optional[re.Pattern[str]] = None) -> list[tuple[int, int]]:
+    """(pid, tid) of every thread of `pids`; with `names`, of those whose name (as the OS has it) matches."""
     threads = []
     for pid in pids:
         try:
-            threads.extend((pid, int(tid)) for tid in os.listdir(f"/proc/{pid}/task"))
+            tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
         except OSError:  # gone meanwhile
             continue
+        threads.extend((pid, tid) for tid in tids if names is None or names.search(comm(pid, tid)))
     return threads
+
+
+def comm(pid: int, tid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def cpu_ns(pid: int, tid: int) -> int:
@@ -104,7 +112,6 @@ def thread_name(pid: int, tid: int) -> str:
     """The thread's name and its process's (the module or script it runs: Python threads mostly
     share the interpreter's name)."""
     try:
-        comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[1:]
     except OSError:
         return "?"
@@ -114,7 +121,7 @@ def thread_name(pid: int, tid: int) -> str:
         process = next((line.strip() for line in argv[1].splitlines() if line.strip()), "")[:40]
     else:
         process = os.path.basename(argv[0]) if argv else "?"
-    return f"{process}:{comm}"
+    return f"{process}:{comm(pid, tid)}"
 
 
 def stop_thread(tid: int) -> bool:
@@ -151,8 +158,8 @@ class Targets:
 
     READ_S = 0.05
 
-    def __init__(self, roots: list[int], pattern: Optional[re.Pattern[str]]) -> None:
-        self._roots, self._pattern = roots, pattern
+    def __init__(self, roots: list[int], pattern: Optional[re.Pattern[str]], names: Optional[re.Pattern[str]]) -> None:
+        self._roots, self._pattern, self._names = roots, pattern, names
         self.recent: list[tuple[int, int]] = []  # replaced whole, never changed: pausers read it as it is
 
     def watch(self, until: float, stopping: threading.Event) -> None:
@@ -162,7 +169,8 @@ class Targets:
         looked_up = -1.0
         while time.monotonic() < until and not stopping.is_set():
             if time.monotonic() - looked_up > 1.0:
-                threads, looked_up = threads_of(process_tree(self._roots, self._pattern)), time.monotonic()
+                threads = threads_of(process_tree(self._roots, self._pattern), self._names)
+                looked_up = time.monotonic()
             now = {thread: cpu_ns(*thread) for thread in threads}
             ran = {thread for thread, ns in now.items() if ns > before.get(thread, ns)}
             self.recent = list(ran | ran_before)
@@ -226,6 +234,8 @@ class Pauser:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--match", help="regular expression over the processes' command lines")
+    parser.add_argument("--threads", help="regular expression over their threads' names (the server names those on a "
+                                          "step's path: llgtrt_core/os_threads.py); default: every thread")
     parser.add_argument("--pid", type=int, action="append", help="a process to pause (repeat for more)")
     parser.add_argument("--cores", type=float, default=1.0, help="threads held stopped at once, on average")
     parser.add_argument("--pause-ms", type=float, default=4.0, help="how long one thread stands still")
@@ -237,12 +247,13 @@ def main() -> None:
     if args.cores <= 0 or args.pause_ms <= 0:
         parser.error("--cores and --pause-ms must be positive")
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
-    targets = Targets(args.pid or [], re.compile(args.match) if args.match else None)
+    targets = Targets(args.pid or [], re.compile(args.match) if args.match else None,
+                      re.compile(args.threads) if args.threads else None)
     count = math.ceil(args.cores)
     pausers = [Pauser(targets, args.cores / count, args.pause_ms / 1e3, random.Random(seed + i)) for i in range(count)]
     print(f"thread_pauses: seed {seed}, {args.cores} threads stopped at once on average, {args.pause_ms} ms each, "
-          f"{count} pausers; processes {args.pid or []}, those matching {args.match!r} and their descendants",
-          flush=True)
+          f"{count} pausers; processes {args.pid or []}, those matching {args.match!r} and their descendants; "
+          f"threads named {args.threads or 'anything'}", flush=True)
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())

@@ -62,3 +62,37 @@ def test_stops_the_running_thread_alone_and_lets_it_go() -> None:
     # Let go: the hashing thread ran after the tool ended, and never stood still that long since.
     assert stamps["hashing"][-1] > ended > started
     assert not gaps([t for t in stamps["hashing"] if t > ended], 0.9 * PAUSE_S)
+
+
+# Two hashing threads, one named "target" as the OS sees it (llgtrt_core/os_threads.py's way).
+NAMED_CHILD = """
+import hashlib, sys, threading, time
+from llgtrt_core.os_threads import name_os_thread
+data, stop = b"x" * 65536, time.perf_counter() + float(sys.argv[1])
+def hash_on(name):
+    name_os_thread(name)
+    while time.perf_counter() < stop:
+        hashlib.sha256(data).digest()
+threads = [threading.Thread(target=hash_on, args=(name,)) for name in ("target", "other")]
+for thread in threads:
+    thread.start()
+print("started", flush=True)
+for thread in threads:
+    thread.join()
+"""
+
+
+def test_stops_only_the_threads_named() -> None:
+    child = subprocess.Popen([sys.executable, "-c", NAMED_CHILD, "4"], stdout=subprocess.PIPE, text=True,
+                             cwd=SCRIPT.parent.parent)
+    assert child.stdout is not None and child.stdout.readline().strip() == "started"
+    pauser = subprocess.run([sys.executable, str(SCRIPT), "--pid", str(child.pid), "--threads", "^target$",
+                             "--cores", "0.5", "--pause-ms", "20", "--seconds", "1.5", "--seed", "7"],
+                            capture_output=True, text=True, timeout=60)
+    child.wait(timeout=60)
+    assert pauser.returncode == 0, pauser.stderr
+    by_thread = pauser.stdout.splitlines()[-1].split("by thread: ")[1]
+    # Only "<process>:target <pauses>": the other thread, as busy, was never drawn.
+    pauses = re.search(r":target (\d+)$", by_thread)
+    assert pauses is not None and ":other" not in by_thread, pauser.stdout
+    assert int(pauses[1]) >= 3
