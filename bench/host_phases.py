@@ -15,7 +15,8 @@ def wave_host(phases: dict[str, dict[str, float]]) -> dict[str, float]:
     own = [phase for name, phase in phases.items() if name not in WAITS and not name.startswith("fill.")]
     spent = {"own": sum(phase["wall_s"] for phase in own),
              "off CPU": sum(phase["wall_s"] - phase["cpu_s"] for phase in own)}
-    spent.update((name, phase["wall_s"]) for name, phase in phases.items() if name in WAITS or name.startswith("fill."))
+    spent.update((name, phase["wall_s"]) for name, phase in phases.items()
+                 if name in WAITS or name.startswith("fill."))
     return spent
 
 

@@ -13,12 +13,13 @@ runs on), hold it --pause-ms, let it go, then wait for --cores' share on average
 processes given by --pid or whose command line matches --match (a regular expression) and all their
 descendants, looked up again every second (servers restart); of their threads (those whose name
 matches --threads, if given), only those that ran in the last 0.1 s are checked for one running
-now. Needs ptrace rights over them (root, or their user with Yama's ptrace_scope 0). A stopped thread is let go on SIGTERM or SIGINT, and by the
-kernel if this process dies. Its closing line says what it paused: the pauses, the seconds held, the
-threads held at once on average (less than --cores asks while the targets have fewer threads
-running, and by the time a pause takes to start when a pauser's share is near 1) and the threads by
-process and name. It takes CPU itself: 0.3-0.45 cores beside the server on the GPU machine, the
-"other" of bench/constrained_tbt.py's cores (session 37).
+now. Needs ptrace rights over them (root, or their user with Yama's ptrace_scope 0). A stopped
+thread is let go on SIGTERM or SIGINT, and by the kernel if this process dies. Its closing line
+says what it paused: the pauses, the seconds held, the threads held at once on average (less than
+--cores asks while the targets have fewer threads running, and by the time a pause takes to start
+when a pauser's share is near 1) and the threads by process and name. It takes CPU itself: 0.3-0.45
+cores beside the server on the GPU machine, the "other" of bench/constrained_tbt.py's cores
+(session 37).
 
     python3 bench/thread_pauses.py --pid $(cat /tmp/server.pgid) --cores 1 --seconds 60
 """
@@ -158,7 +159,8 @@ class Targets:
 
     READ_S = 0.05
 
-    def __init__(self, roots: list[int], pattern: Optional[re.Pattern[str]], names: Optional[re.Pattern[str]]) -> None:
+    def __init__(self, roots: list[int], pattern: Optional[re.Pattern[str]],
+                 names: Optional[re.Pattern[str]]) -> None:
         self._roots, self._pattern, self._names = roots, pattern, names
         self.recent: list[tuple[int, int]] = []  # replaced whole, never changed: pausers read it as it is
 

@@ -36,8 +36,8 @@ from llgtrt_core.engine.interface import (ApartFiller, ConstrainedRow, Constrain
                                          StagedPostProcessor)
 from llgtrt_core.engine.sequence import Sequence
 from llgtrt_core.engine.step_profile import StepPhases
-from llgtrt_core.os_threads import name_os_thread
 from llgtrt_core.engine.sampler import DeviceMasks
+from llgtrt_core.os_threads import name_os_thread
 
 logger = logging.getLogger(__name__)
 
