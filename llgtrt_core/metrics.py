@@ -23,6 +23,7 @@ from typing import AsyncIterator, Optional
 from prometheus_client import Counter, Gauge, Histogram
 
 from llgtrt_core.engine.interface import Engine, GenerationRequest, TokenDelta
+from llgtrt_core.os_threads import name_os_thread
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0)
@@ -96,6 +97,7 @@ class DeferredHistogram:
                 self._folder.start()
 
     def _fold_forever(self) -> None:
+        name_os_thread("metrics-fold")  # not the name of the thread that started it (the fill's, often)
         while True:
             time.sleep(self.period)
             self.flush()

@@ -1,7 +1,8 @@
 """Names the OS sees for the threads on a step's path (`top -H`, `ps -L`, perf, and
 bench/thread_pauses.py's `--threads`): before Python 3.14 every Python thread keeps the
-interpreter's name ("python3"), and threads started from native code (llguidance's rayon pool)
-take the name of the thread that started them. Linux only; elsewhere these do nothing."""
+interpreter's name ("python3"), and any thread takes the name of the thread that started it until
+it names itself: llguidance's rayon pool (named here through the thread that starts it), a kernel's
+helpers, a Python thread started lazily from a named one. Linux only; elsewhere these do nothing."""
 
 from __future__ import annotations
 
