@@ -40,17 +40,30 @@ def gaps(stamps: list[float], at_least: float) -> list[tuple[float, float]]:
     return [(a, b) for a, b in zip(stamps, stamps[1:]) if b - a >= at_least]
 
 
-def test_stops_the_running_thread_alone_and_lets_it_go() -> None:
-    child = subprocess.Popen([sys.executable, "-c", CHILD, "4"], stdout=subprocess.PIPE, text=True)
+def start_child(script: str, seconds: float) -> subprocess.Popen:
+    """`script` in a child process (run from the repository: it may import llgtrt_core), once it says it started."""
+    child = subprocess.Popen([sys.executable, "-c", script, str(seconds)], stdout=subprocess.PIPE, text=True,
+                             cwd=SCRIPT.parent.parent)
     assert child.stdout is not None and child.stdout.readline().strip() == "started"
-    started = time.perf_counter()
-    pauser = subprocess.run([sys.executable, str(SCRIPT), "--pid", str(child.pid), "--cores", "0.5",
-                             "--pause-ms", str(PAUSE_S * 1e3), "--seconds", "2", "--seed", "7"],
+    return child
+
+
+def pause(pid: int, *args: str) -> subprocess.CompletedProcess:
+    """The tool against process `pid` until it ends on its own; its closing line checked to be there."""
+    pauser = subprocess.run([sys.executable, str(SCRIPT), "--pid", str(pid), "--seed", "7", *args],
                             capture_output=True, text=True, timeout=60)
+    assert pauser.returncode == 0, pauser.stderr
+    assert "pauses in" in pauser.stdout.splitlines()[-1], pauser.stdout
+    return pauser
+
+
+def test_stops_the_running_thread_alone_and_lets_it_go() -> None:
+    child = start_child(CHILD, 4)
+    started = time.perf_counter()
+    pauser = pause(child.pid, "--cores", "0.5", "--pause-ms", str(PAUSE_S * 1e3), "--seconds", "2")
     ended = time.perf_counter()
     out, _ = child.communicate(timeout=60)
     stamps = json.loads(out.splitlines()[-1])
-    assert pauser.returncode == 0, pauser.stderr
     pauses = int(re.search(r"(\d+) pauses in", pauser.stdout)[1])
     assert pauses >= 3, pauser.stdout
     # Each pause is a gap of its length in the hashing thread's timestamps (the waking thread is
@@ -83,16 +96,34 @@ for thread in threads:
 
 
 def test_stops_only_the_threads_named() -> None:
-    child = subprocess.Popen([sys.executable, "-c", NAMED_CHILD, "4"], stdout=subprocess.PIPE, text=True,
-                             cwd=SCRIPT.parent.parent)
-    assert child.stdout is not None and child.stdout.readline().strip() == "started"
-    pauser = subprocess.run([sys.executable, str(SCRIPT), "--pid", str(child.pid), "--threads", "^target$",
-                             "--cores", "0.5", "--pause-ms", "20", "--seconds", "1.5", "--seed", "7"],
-                            capture_output=True, text=True, timeout=60)
+    child = start_child(NAMED_CHILD, 4)
+    pauser = pause(child.pid, "--threads", "^target$", "--cores", "0.5", "--pause-ms", "20", "--seconds", "1.5")
     child.wait(timeout=60)
-    assert pauser.returncode == 0, pauser.stderr
     by_thread = pauser.stdout.splitlines()[-1].split("by thread: ")[1]
     # Only "<process>:target <pauses>": the other thread, as busy, was never drawn.
     pauses = re.search(r":target (\d+)$", by_thread)
     assert pauses is not None and ":other" not in by_thread, pauser.stdout
     assert int(pauses[1]) >= 3
+
+
+# One hashing thread among 300 asleep, as the server's few running threads among hundreds.
+CROWDED_CHILD = """
+import hashlib, sys, threading, time
+data, stop = b"x" * 65536, time.perf_counter() + float(sys.argv[1])
+asleep = threading.Event()
+sleepers = [threading.Thread(target=asleep.wait, daemon=True) for _ in range(300)]
+for thread in sleepers:
+    thread.start()
+print("started", flush=True)
+while time.perf_counter() < stop:
+    hashlib.sha256(data).digest()
+"""
+
+
+def test_holds_the_share_asked_among_many_sleeping_threads() -> None:
+    # Reading every thread's state before each pause held 0.21 of the 0.5 asked here.
+    child = start_child(CROWDED_CHILD, 4)
+    pauser = pause(child.pid, "--cores", "0.5", "--pause-ms", "4", "--seconds", "2")
+    child.wait(timeout=60)
+    held = float(re.search(r"\(([\d.]+) threads stopped on average\)", pauser.stdout)[1])
+    assert 0.35 <= held <= 0.6, pauser.stdout
