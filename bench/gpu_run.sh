@@ -118,9 +118,10 @@ start_pauses() {  # CORES: bench/thread_pauses.py stopping CORES of $PAUSE_TARGE
 }
 stop_pauses() { kill $TAKER; wait $TAKER; tail -1 $PAUSES_LOG; }
 halves() {  # thief|pauses "CORES..." "$@": "$@" with nothing taken, then with start_thief / start_pauses
-    # at each of CORES in turn ($CORES says which)
+    # at each of CORES in turn ($TAKER_KIND and $CORES say which)
     local taker=$1 cores=$2
     shift 2
+    TAKER_KIND=$taker
     for CORES in 0 $cores; do
         echo "-- $([ $taker = thief ] && echo "CPU taken by bench/cpu_thief.py: $CORES cores" ||
             echo "threads stopped by bench/thread_pauses.py ($PAUSE_TARGETS): $CORES at once on average")"
@@ -137,8 +138,7 @@ each_tree() {  # "$@" in base / current / base / current: .serve_whl/base (bench
 }
 fill_step_tree() { python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3 --seed $SEED --data $DATA 2>&1 | grep -E "^  |^seed|CPUs"; }
 gil_share() { python3 bench/gil_share.py --rows 256 --steps 150 --rounds 3 --seed $SEED "$@" 2>&1 | grep -v "nanobind\|leaked\|skipped remainder"; }
-thief_tbt() { waves_128_256 $SERVER 3 $OUT/constrained_tbt_thief_$CORES.json; }
-pauses_tbt() { waves_128_256 $SERVER 3 $OUT/constrained_tbt_pauses_$CORES.json; }
+halves_tbt() { waves_128_256 $SERVER 3 $OUT/constrained_tbt_${TAKER_KIND}_$CORES.json; }  # halves' command
 for stage in "$@"; do
     echo "== $stage $(date -u +%H:%M:%S), CPU seconds stolen so far $(stolen_s)"
     case $stage in
@@ -258,12 +258,12 @@ for stage in "$@"; do
     thief)
         serve
         SEED=${SEED:-$(random_seed)}
-        halves thief ${THIEF_CORES:-2} thief_tbt ;;
+        halves thief ${THIEF_CORES:-2} halves_tbt ;;
     pauses)
         serve
         SEED=${SEED:-$(random_seed)}
         PAUSE_TARGETS=$(servers)
-        halves pauses "${PAUSE_CORES:-1}" pauses_tbt ;;
+        halves pauses "${PAUSE_CORES:-1}" halves_tbt ;;
     gilpauses)
         SEED=${SEED:-$(random_seed)}
         PAUSE_TARGETS="--match bench/gil_share.py"
