@@ -49,9 +49,10 @@
 #           with no thread stopped, then with bench/thread_pauses.py stopping $PAUSE_CORES (default 1; a list
 #           such as "0.5 1" runs each in turn) of the server's running threads at once on average, $PAUSE_MS
 #           (default 4) ms each: the hypervisor's paused vCPUs on demand, where the thief's cores were taken over
-#           by idle ones (engine.md "Session 37"); $PAUSE_THREADS (a regular expression over the threads' names,
-#           llgtrt_core/os_threads.py: torch-engine, mask-fill, llg-masks, loop-guard) stops only those (here
-#           and in `pair`)
+#           by idle ones (engine.md "Session 37"); $PAUSE_THREADS (regular expressions over the threads' names,
+#           llgtrt_core/os_threads.py: torch-engine, mask-fill, llg-masks, loop-guard; a list, such as
+#           "torch-engine llg-masks", pauses each group in turn after one unpaused half) stops only those
+#           (here and in `pair`, one group there)
 #   gilpauses bench/gil_share.py's modes (the gil stage's) on one seed, with no thread stopped, then with
 #           bench/thread_pauses.py stopping $PAUSE_CORES of gil_share's (and its fill process's) at once
 #   gil     bench/gil_share.py on this machine's host (no GPU): an engine-thread stand-in beside the fill of 256
@@ -110,24 +111,28 @@ start_thief() {  # CORES: bench/cpu_thief.py taking CORES until stop_thief (it e
     TAKER=$!
 }
 stop_thief() { kill $TAKER; wait $TAKER; }
-start_pauses() {  # CORES: bench/thread_pauses.py stopping CORES of $PAUSE_TARGETS' threads at once until stop_pauses
-    PAUSES_LOG=$OUT/thread_pauses_$1.log
+start_pauses() {  # CORES: bench/thread_pauses.py stopping CORES of $PAUSE_TARGETS' threads ($THREADS: those whose
+    # names match it, or all) at once until stop_pauses
+    PAUSES_LOG=$OUT/thread_pauses_$1$(suffix).log
     python3 bench/thread_pauses.py --cores $1 --pause-ms ${PAUSE_MS:-4} --seconds 590 \
-        ${PAUSE_THREADS:+--threads "$PAUSE_THREADS"} $PAUSE_TARGETS > $PAUSES_LOG 2>&1 &
+        $([ "$THREADS" != all ] && echo --threads "$THREADS") $PAUSE_TARGETS > $PAUSES_LOG 2>&1 &
     TAKER=$!
 }
 stop_pauses() { kill $TAKER; wait $TAKER; tail -1 $PAUSES_LOG; }
+suffix() { [ "$THREADS" = all ] || echo "_${THREADS//|/+}"; }  # a file name's mark of the threads paused
 halves() {  # thief|pauses "CORES..." "$@": "$@" with nothing taken, then with start_thief / start_pauses
-    # at each of CORES in turn ($TAKER_KIND and $CORES say which)
+    # at each of CORES in turn, pauses of each of $PAUSE_THREADS' groups in turn ($TAKER_KIND, $CORES and $THREADS say which)
     local taker=$1 cores=$2
     shift 2
     TAKER_KIND=$taker
     for CORES in 0 $cores; do
-        echo "-- $([ $taker = thief ] && echo "CPU taken by bench/cpu_thief.py: $CORES cores" ||
-            echo "threads stopped by bench/thread_pauses.py ($PAUSE_TARGETS): $CORES at once on average")"
-        [ $CORES != 0 ] && start_$taker $CORES
-        "$@"
-        [ $CORES != 0 ] && stop_$taker
+        for THREADS in $([ $CORES = 0 ] || [ $taker = thief ] && echo all || echo ${PAUSE_THREADS:-all}); do
+            echo "-- $([ $taker = thief ] && echo "CPU taken by bench/cpu_thief.py: $CORES cores" ||
+                echo "threads stopped by bench/thread_pauses.py ($PAUSE_TARGETS, threads: $THREADS): $CORES at once on average")"
+            [ $CORES != 0 ] && start_$taker $CORES
+            "$@"
+            [ $CORES != 0 ] && stop_$taker
+        done
     done
 }
 each_tree() {  # "$@" in base / current / base / current: .serve_whl/base (bench/base_tree.sh), the working tree
@@ -138,7 +143,7 @@ each_tree() {  # "$@" in base / current / base / current: .serve_whl/base (bench
 }
 fill_step_tree() { python3 bench/fill_step.py --rows 256 --steps 64 --rounds 3 --seed $SEED --data $DATA 2>&1 | grep -E "^  |^seed|CPUs"; }
 gil_share() { python3 bench/gil_share.py --rows 256 --steps 150 --rounds 3 --seed $SEED "$@" 2>&1 | grep -v "nanobind\|leaked\|skipped remainder"; }
-halves_tbt() { waves_128_256 $SERVER 3 $OUT/constrained_tbt_${TAKER_KIND}_$CORES.json; }  # halves' command
+halves_tbt() { waves_128_256 $SERVER 3 $OUT/constrained_tbt_${TAKER_KIND}_$CORES$(suffix).json; }  # halves' command
 for stage in "$@"; do
     echo "== $stage $(date -u +%H:%M:%S), CPU seconds stolen so far $(stolen_s)"
     case $stage in
@@ -216,7 +221,7 @@ for stage in "$@"; do
         wait $BASE_STARTING || exit 1
         unset LLGTRT_CONFIG
         echo "-- base $(cat .serve_whl/base/REVISION) on port 3001, current (working tree) on port 3000; seed $SEED"
-        PAUSE_TARGETS=$(servers)
+        PAUSE_TARGETS=$(servers) THREADS=${PAUSE_THREADS:-all}
         [ -n "${PAUSE_CORES:-}" ] && start_pauses $PAUSE_CORES
         for ROUND in $(seq ${PAIR_ROUNDS:-6}); do
             for TREE in $([ $((ROUND % 2)) = 1 ] && echo base current || echo current base); do
