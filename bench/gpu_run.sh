@@ -119,7 +119,7 @@ start_pauses() {  # CORES: bench/thread_pauses.py stopping CORES of $PAUSE_TARGE
     TAKER=$!
 }
 stop_pauses() { kill $TAKER; wait $TAKER; tail -1 $PAUSES_LOG; }
-suffix() { [ "$THREADS" = all ] || echo "_${THREADS//|/+}"; }  # a file name's mark of the threads paused
+suffix() { [ "$THREADS" = all ] || echo "_${THREADS//|/_or_}"; }  # a file name's mark of the threads paused
 halves() {  # thief|pauses "CORES..." "$@": "$@" with nothing taken, then with start_thief / start_pauses
     # at each of CORES in turn, pauses of each of $PAUSE_THREADS' groups in turn ($TAKER_KIND, $CORES and $THREADS say which)
     local taker=$1 cores=$2
