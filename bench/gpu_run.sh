@@ -26,7 +26,11 @@
 #           (default 196608) so that both fit; bench/pair_rounds.py pairs the rounds ($OUT/pair_rounds.txt;
 #           every round's JSON and log in $OUT/pair.tar.gz). With $PAUSE_CORES, bench/thread_pauses.py stops
 #           that many running threads of the servers at once on average, $PAUSE_MS (default 4) ms each, as the
-#           hypervisor's paused vCPUs did (both trees alike; $OUT/thread_pauses_$PAUSE_CORES.log)
+#           hypervisor's paused vCPUs did (both trees alike; $OUT/thread_pauses_$PAUSE_CORES.log; $PAUSE_THREADS:
+#           one group of threads only). $PAIR_PAUSES runs the rounds again under each of its conditions in turn,
+#           on the same two servers: "none", CORES (all threads) or CORES@THREADS (a group, as $PAUSE_THREADS),
+#           e.g. "none 0.3@torch-engine 0.5" (a fresh machine's two servers take ~150 s to start, each condition's
+#           round ~60 s)
 #   fill    bench/fill_step.py on this machine's host, 256 rows x 3 rounds (no GPU): how fast it fills masks,
 #           then each row's mask alone on one seed (--per-row: the slowest row a batched fill waits for)
 #           (in the server an H100 host's masks took 3.2-4.1 ms a step at batch 256, the H200s' 1.8-1.9,
@@ -221,17 +225,25 @@ for stage in "$@"; do
         wait $BASE_STARTING || exit 1
         unset LLGTRT_CONFIG
         echo "-- base $(cat .serve_whl/base/REVISION) on port 3001, current (working tree) on port 3000; seed $SEED"
-        PAUSE_TARGETS=$(servers) THREADS=${PAUSE_THREADS:-all}
-        [ -n "${PAUSE_CORES:-}" ] && start_pauses $PAUSE_CORES
-        for ROUND in $(seq ${PAIR_ROUNDS:-6}); do
-            for TREE in $([ $((ROUND % 2)) = 1 ] && echo base current || echo current base); do
-                WAVES=/tmp/pair/pair_${ROUND}_$TREE
-                waves_128_256 http://127.0.0.1:$([ $TREE = base ] && echo 3001 || echo 3000) 1 $WAVES.json > $WAVES.log 2>&1
-                [ -f $WAVES.json ] || tail -5 $WAVES.log
+        PAUSE_TARGETS=$(servers)
+        : > $OUT/pair_rounds.txt
+        for CONDITION in ${PAIR_PAUSES:-$([ -n "${PAUSE_CORES:-}" ] && echo "$PAUSE_CORES@${PAUSE_THREADS:-all}" || echo none)}; do
+            CORES=${CONDITION%%@*}
+            case $CONDITION in *@*) THREADS=${CONDITION#*@} ;; *) THREADS=all ;; esac
+            LABEL=$([ $CORES = none ] && echo none || echo pauses_$CORES$(suffix))
+            mkdir -p /tmp/pair/$LABEL
+            echo "-- $LABEL" | tee -a $OUT/pair_rounds.txt
+            [ $CORES != none ] && start_pauses $CORES
+            for ROUND in $(seq ${PAIR_ROUNDS:-6}); do
+                for TREE in $([ $((ROUND % 2)) = 1 ] && echo base current || echo current base); do
+                    WAVES=/tmp/pair/$LABEL/pair_${ROUND}_$TREE
+                    waves_128_256 http://127.0.0.1:$([ $TREE = base ] && echo 3001 || echo 3000) 1 $WAVES.json > $WAVES.log 2>&1
+                    [ -f $WAVES.json ] || tail -5 $WAVES.log
+                done
             done
+            [ $CORES != none ] && stop_pauses
+            python3 bench/pair_rounds.py /tmp/pair/$LABEL/pair_*.json | tee -a $OUT/pair_rounds.txt
         done
-        [ -n "${PAUSE_CORES:-}" ] && stop_pauses
-        python3 bench/pair_rounds.py /tmp/pair/pair_*.json | tee $OUT/pair_rounds.txt
         cp /tmp/server_3001.log /tmp/pair/server_base.log
         tar czf $OUT/pair.tar.gz -C /tmp pair  # one file: the device returns a few dozen at most
         stop_server ;;
