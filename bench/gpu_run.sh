@@ -118,8 +118,10 @@ stop_thief() { kill $TAKER; wait $TAKER; }
 start_pauses() {  # CORES: bench/thread_pauses.py stopping CORES of $PAUSE_TARGETS' threads ($THREADS: those whose
     # names match it, or all) at once until stop_pauses
     PAUSES_LOG=$OUT/thread_pauses_$1$(suffix).log
+    local only=()  # an array: the regular expression must reach the tool as it is, never globbed
+    [ "$THREADS" != all ] && only=(--threads "$THREADS")
     python3 bench/thread_pauses.py --cores $1 --pause-ms ${PAUSE_MS:-4} --seconds 590 \
-        $([ "$THREADS" != all ] && echo --threads "$THREADS") $PAUSE_TARGETS > $PAUSES_LOG 2>&1 &
+        "${only[@]}" $PAUSE_TARGETS > $PAUSES_LOG 2>&1 &
     TAKER=$!
 }
 stop_pauses() { kill $TAKER; wait $TAKER; tail -1 $PAUSES_LOG; }
