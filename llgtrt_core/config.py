@@ -187,6 +187,10 @@ class LlguidanceConfig:
     mask_threads: Optional[int] = option(None, "Threads committing tokens and computing masks for a step's "
                                                "constrained rows (llguidance's pool); null: 80% of the cores, "
                                                "at most 32. Env LLGTRT_MASK_THREADS.")
+    fill_process: Optional[bool] = option(None, "Commit tokens, compute masks and run the loop guards in a process "
+                                                "of their own, out of the engine thread's GIL (the embedded engine; "
+                                                "fast-forward then only at a request's start); null: with CUDA. "
+                                                "Env LLGTRT_FILL_PROCESS.")
     slow_mask_ms: Optional[float] = option(0.5, "A grammar whose masks take this long or more on average (probed "
                                                 "in the background when it is first compiled) has its rows filled "
                                                 "apart from the batch's: steps do not wait for them, and its "
@@ -313,6 +317,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "LLGTRT_API_KEY": ("server", "api_key"),
     "LLGTRT_API_WORKERS": ("server", "api_workers"),
     "LLGTRT_MASK_THREADS": ("llguidance", "mask_threads"),
+    "LLGTRT_FILL_PROCESS": ("llguidance", "fill_process"),
 }
 
 

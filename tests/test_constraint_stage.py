@@ -2,7 +2,8 @@
 each row's token is committed once, and the masks reach the rows the sequences hold at the next
 step, after some left and others joined; a step without a fill begun ahead commits the tokens the
 engine left uncommitted; a slow grammar's row, filled apart, sits a step out when its mask is late,
-and keeps its mask on the way while others join and move."""
+and keeps its mask on the way while others join and move. On CPU and on CUDA, where the device
+waits for the fill (`HostGate`): the masks are read back once the gate is open."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import contextlib
 import threading
 from typing import Iterator
 
+import pytest
 import torch
 
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor
@@ -29,11 +31,18 @@ def allowed_tokens(mask: torch.Tensor) -> set[int]:
     return {t for t in range(BYTES.vocab_size) if mask[t // 32] >> (t % 32) & 1}
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def device(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @contextlib.contextmanager
-def started_stage(max_batch_size: int, fast_forward: bool = False) -> Iterator[ConstraintStage]:
+def started_stage(max_batch_size: int, device: str, fast_forward: bool = False) -> Iterator[ConstraintStage]:
     stage = ConstraintStage(MaskPostProcessor(BYTES, max_batch_size=max_batch_size, num_threads=2), fast_forward,
-                            torch.device("cpu"))
+                            torch.device(device))
     stage.start()
+    assert stage.device_waits == (device == "cuda")  # the H100/H200 drivers let a stream wait on host memory
     try:
         yield stage
     finally:
@@ -46,9 +55,10 @@ def masks_by_row(stage: ConstraintStage, running: list[Sequence], may_sit_out: b
     fill = stage.begin(running)
     device_masks, sitting_out = stage.masks(fill, running, None, lambda row: may_sit_out)
     assert device_masks is not None
-    masks, rows = device_masks
-    assert sorted(rows.tolist() + sitting_out) == list(range(len(running)))  # every constrained row, once
-    return {row: masks[j] for j, row in enumerate(rows.tolist())}, sitting_out
+    masks, rows = device_masks[0].cpu(), device_masks[1].cpu()  # on CUDA: once the gate is open
+    live = [row for row in rows.tolist() if row >= 0]  # -1: a row that left since the fill began (skipped)
+    assert sorted(live + sitting_out) == list(range(len(running)))  # every constrained row, once
+    return {row: masks[j] for j, row in enumerate(rows.tolist()) if row >= 0}, sitting_out
 
 
 def step_masks(stage: ConstraintStage, running: list[Sequence]) -> dict[int, torch.Tensor]:
@@ -57,8 +67,8 @@ def step_masks(stage: ConstraintStage, running: list[Sequence]) -> dict[int, tor
     return masks
 
 
-def test_masks_begun_ahead_follow_their_sequences_to_their_new_rows() -> None:
-    with started_stage(3) as stage:
+def test_masks_begun_ahead_follow_their_sequences_to_their_new_rows(device: str) -> None:
+    with started_stage(3, device) as stage:
         a, b, c = sequence("a", "ab+c"), sequence("b", "[0-9]x"), sequence("c", "(yes|no)!")
         running = [a, b, c]
         step_masks(stage, running)  # the first step: nothing sampled yet
@@ -88,8 +98,8 @@ def test_masks_begun_ahead_follow_their_sequences_to_their_new_rows() -> None:
         assert all(seq.uncommitted_token is None for seq in running)
 
 
-def test_steps_whose_rows_stay_put_take_the_masks_begun_ahead_row_for_row() -> None:
-    with started_stage(3) as stage:
+def test_steps_whose_rows_stay_put_take_the_masks_begun_ahead_row_for_row(device: str) -> None:
+    with started_stage(3, device) as stage:
         a, b, c = sequence("a", "a+b"), sequence("b", "[0-9]+x"), sequence("c", "(ab)+!")
         running = [a, b, c]
         step_masks(stage, running)
@@ -112,8 +122,8 @@ def test_steps_whose_rows_stay_put_take_the_masks_begun_ahead_row_for_row() -> N
                 {ord("a"), ord("b")}, {ord("b")} if c_token == "a" else {ord("a"), ord("!")}]
 
 
-def test_nothing_is_begun_ahead_while_a_row_fast_forwards() -> None:
-    with started_stage(2, fast_forward=True) as stage:
+def test_nothing_is_begun_ahead_while_a_row_fast_forwards(device: str) -> None:
+    with started_stage(2, device, fast_forward=True) as stage:
         a = sequence("a", "ab+c")
         a.fast_forward = True  # its commits happen on the engine thread, with its forced tokens
         assert not stage.begin_ahead([a], lambda: [ord("a")])
@@ -121,8 +131,8 @@ def test_nothing_is_begun_ahead_while_a_row_fast_forwards() -> None:
         assert allowed_tokens(mask) == {ord("a")}
 
 
-def test_a_failed_step_leaves_no_fill_begun_ahead_behind() -> None:
-    with started_stage(2) as stage:
+def test_a_failed_step_leaves_no_fill_begun_ahead_behind(device: str) -> None:
+    with started_stage(2, device) as stage:
         a = sequence("a", "ab+c")
         step_masks(stage, [a])
 
@@ -141,8 +151,8 @@ def slow(seq: Sequence) -> Sequence:
     return seq
 
 
-def test_a_slow_grammars_row_sits_out_a_step_while_its_mask_filled_apart_is_late() -> None:
-    with started_stage(3) as stage:
+def test_a_slow_grammars_row_sits_out_a_step_while_its_mask_filled_apart_is_late(device: str) -> None:
+    with started_stage(3, device) as stage:
         a, s, b = sequence("a", "ab+c"), slow(sequence("s", "(yes|no)!")), sequence("b", "[0-9]x")
         running = [a, s, b]
         first = step_masks(stage, running)  # nothing sampled; the slow row's first mask, filled apart, waited for
@@ -167,8 +177,8 @@ def test_a_slow_grammars_row_sits_out_a_step_while_its_mask_filled_apart_is_late
         assert allowed_tokens(masks[0]) == {ord("b"), ord("c")} and allowed_tokens(masks[2]) == {BYTES.eos_token}
 
 
-def test_a_step_waits_for_a_late_mask_rather_than_have_every_row_sit_out() -> None:
-    with started_stage(2) as stage:
+def test_a_step_waits_for_a_late_mask_rather_than_have_every_row_sit_out(device: str) -> None:
+    with started_stage(2, device) as stage:
         s = slow(sequence("s", "(yes|no)!"))
         step_masks(stage, [s])
         late = threading.Event()
@@ -183,8 +193,8 @@ def test_a_step_waits_for_a_late_mask_rather_than_have_every_row_sit_out() -> No
         assert sitting_out == [] and allowed_tokens(masks[0]) == {ord("o")}
 
 
-def test_a_row_joins_and_another_moves_while_slow_rows_are_filled_apart() -> None:
-    with started_stage(4) as stage:
+def test_a_row_joins_and_another_moves_while_slow_rows_are_filled_apart(device: str) -> None:
+    with started_stage(4, device) as stage:
         a, s, t, b = (sequence("a", "ab+c"), slow(sequence("s", "(yes|no)!")), slow(sequence("t", "[0-9]x")),
                       sequence("b", "q+r"))
         running = [a, s, t, b]

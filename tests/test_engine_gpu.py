@@ -345,6 +345,53 @@ def test_fast_forward_gives_the_same_constrained_tokens_in_fewer_steps(model_dir
         assert document["color"] in ("red", "green", "blue") and isinstance(document["ok"], bool)
 
 
+@pytest.mark.gpu
+@cuda
+def test_the_device_waiting_for_the_masks_draws_what_the_engine_thread_waiting_would(model_dir: Path) -> None:
+    """On CUDA a step's draw waits for its masks on the device (HostGate), the engine thread queuing
+    it and the next decode meanwhile: with every fill 5 ms late (the device waits each step) and
+    rows leaving at different lengths (the fill begun ahead still holds their rows, skipped), the
+    tokens are those of the engine thread waiting for each fill."""
+    from llguidance import LLTokenizer
+
+    from llgtrt_core.constraints import GrammarCompiler
+    from llgtrt_core.constraints.postprocessor import MaskPostProcessor
+    from llgtrt_core.constraints.request_grammar import json_schema_grammar
+
+    class LateFill(MaskPostProcessor):
+        def fill(self, rows, offset=0):
+            time.sleep(0.005)
+            return super().fill(rows, offset)
+
+        def upload(self, rows, masks, device, stream=None, gate=None):
+            self.gated.append(gate is not None)
+            return super().upload(rows, masks, device, stream, gate)
+
+    schema = {"type": "object", "properties": {"note": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["note", "n"], "additionalProperties": False}
+    byte_tokenizer = LLTokenizer("byte")
+    eos = frozenset(byte_tokenizer.eos_tokens)
+    model = random_model(ModelConfig.from_hf(TINY_LLAMA), MAX_LEN, torch.float32, torch.device("cuda"), seed=9)
+    samplings = [SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=eos),
+                 SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=eos),
+                 SamplingParams(max_tokens=25, temperature=0.9, seed=3, stop_token_ids=eos)]
+
+    def run(device_waits: bool) -> list[list[int]]:
+        compiler = GrammarCompiler(byte_tokenizer)
+        compiled = asyncio.run(compiler.compile(json_schema_grammar(schema)))
+        post_processor = LateFill(byte_tokenizer, max_batch_size=4)
+        post_processor.gated = []
+        tokens, _ = run_with_grammar(model_dir, model, "cuda", post_processor, compiler, compiled, samplings, 30,
+                                     fast_forward=False, device_waits_for_masks=device_waits)
+        assert post_processor.gated and set(post_processor.gated) == {device_waits}  # every step's draw
+        compiler.close()
+        return tokens
+
+    waited_on_device = run(device_waits=True)
+    assert waited_on_device == run(device_waits=False)
+    assert len({len(tokens) for tokens in waited_on_device[:3]}) > 1  # the rows left at different steps
+
+
 def test_decode_batch_buckets_step_by_16_to_256_then_by_32() -> None:
     from llgtrt_core.engine.decode_graphs import batch_buckets
 

@@ -42,6 +42,7 @@ from llgtrt_core.constraints.loop_guard import EscapeMasks, Steering, closing_po
 from llgtrt_core.engine.interface import ConstrainedRow, Constraint
 from llgtrt_core.engine.step_profile import StepPhases
 from llgtrt_core.kernels import apply_token_bitmask_inplace, cuda_kernel_available, narrow_to_endings
+from llgtrt_core.kernels.host_gate import GateTicket
 from llgtrt_core.os_threads import name_os_thread, os_thread_named
 
 logger = logging.getLogger(__name__)
@@ -53,14 +54,20 @@ APART_THREADS = 2  # llguidance's pool for the rows filled apart (slow grammars:
 class MaskPostProcessor:
     """Implements `LogitsPostProcessor` and `FastForwarder` for rows whose constraint is a `GrammarConstraint`."""
 
-    def __init__(self, ll_tokenizer: LLTokenizer, max_batch_size: int = 64, num_threads: Optional[int] = None):
+    forwards_each_token = True  # `FastForwarder`: commits any sampled token at once
+
+    def __init__(self, ll_tokenizer: LLTokenizer, max_batch_size: int = 64, num_threads: Optional[int] = None,
+                 host_masks: Optional[torch.Tensor] = None):
+        """host_masks: a (rows, words) int32 buffer to fill, never replaced (shared with the fill
+        process, constraints/fill_process.py); default: one allocated here, grown as needed."""
         self.vocab_size = ll_tokenizer.vocab_size
         self.pool = MaskPool(num_threads, "llg-masks")  # llguidance's default: 80% of the cores, up to 32
         # The rows filled apart get a pool of their own: a thread of the batch's pool that waits for
         # a stolen job may pick up a slow row's meanwhile, and the batch's fill would wait for it.
         self._apart_pool: Optional[MaskPool] = None
         self.pin_memory = torch.cuda.is_available()
-        self._allocate_host(max_batch_size)
+        self._fixed_host = host_masks is not None
+        self._allocate_host(max_batch_size, host_masks)
         self._device: Optional[DeviceCopies] = None
         self._copy_done: Optional[torch.cuda.Event] = None  # the last copy out of the host buffers
         self._eos_only = eos_only_mask(ll_tokenizer.eos_tokens, self._host_masks.shape[1])
@@ -86,8 +93,18 @@ class MaskPostProcessor:
         start = time.perf_counter()
         self.phases.begin()
         self._fill_rows(rows, self._host_masks[offset:], self.pool, self.phases)
+        self._mark_closing(rows, offset)
         metrics.mask_fill_time.observe(time.perf_counter() - start)
-        return self._host_views[offset + count]
+        return self.host_masks(offset + count)
+
+    @property
+    def capacity(self) -> int:
+        """Rows the shared buffer holds before a `fill` or `extend` replaces it."""
+        return self._capacity
+
+    def host_masks(self, count: int) -> torch.Tensor:
+        """The shared buffer's first `count` rows, as `fill` returns them (a fill still running writes them)."""
+        return self._host_views[count]
 
     def split_apart(self, rows: list[ConstrainedRow]) -> tuple[list[ConstrainedRow], list[ConstrainedRow]]:
         """`rows` as (those better filled apart from the batch's: their grammar's masks are slow, the
@@ -116,12 +133,15 @@ class MaskPostProcessor:
                 host[j] = self._eos_only
         return host
 
-    def extend(self, masks: Optional[torch.Tensor], more: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The step's masks for `upload`: `masks` (what `fill` returned this step; None: it filled
-        none), then the rows of `more` (`fill_apart`'s), in the shared buffer."""
+    def extend(self, masks: Optional[torch.Tensor], rows: Sequence[ConstrainedRow],
+               more: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The step's masks for `upload`: `masks` (what `fill` returned this step, or `host_masks`
+        while it runs; None: it filled none), then `rows`' masks, in order the rows of `more`
+        (`fill_apart`'s), in the shared buffer. The rows past `masks`' only: a fill may be writing those."""
         start = 0 if masks is None else masks.shape[0]
         count = start + sum(part.shape[0] for part in more)
         self._reserve(count, keep=start)
+        self._mark_closing(rows, start)
         for part in more:
             self._host_masks[start:start + part.shape[0]] = part
             start += part.shape[0]
@@ -144,36 +164,41 @@ class MaskPostProcessor:
 
     def upload(
         self,
-        rows: Sequence[ConstrainedRow],
+        rows: Sequence[Optional[ConstrainedRow]],
         masks: torch.Tensor,
         device: torch.device,
         stream: Optional[torch.cuda.Stream] = None,
+        gate: Optional[GateTicket] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The masks `fill` returned and their logits row indices, on `device`: on CUDA copied
-        asynchronously (`DeviceCopies`), for work queued on `stream` (the compute stream) before the
-        next upload; on CPU the host buffers themselves, valid until the next `fill` and `upload`.
-        The masks of rows near their length limit (`closing`) are narrowed to the nearest ending
-        here: on CUDA by a kernel queued on `stream` after the copy, else in the host buffer."""
+        """The masks `fill` returned and their logits row indices, on `device` (-1 for a row given
+        as None: it left, its mask is skipped): on CUDA copied asynchronously (`DeviceCopies`), for
+        work queued on `stream` (the compute stream) before the next upload; on CPU the host buffers
+        themselves, valid until the next `fill` and `upload`. The masks of rows near their length
+        limit (`closing`, marked by the fill) are narrowed to the nearest ending here: on CUDA by a
+        kernel queued on `stream` after the copy, else in the host buffer.
+        gate: on CUDA, the copy waits on the device for it (the fill may still be running now); the
+        engine starts the next fill only once this step's draw is read, after the copy."""
         count = len(rows)
-        closing = closing_positions(rows)
-        on_device = device.type == "cuda" and cuda_kernel_available()
-        if not on_device:
-            if closing:
-                self._escapes.narrow_to_endings(masks, closing)
-            closing = []
-        # One buffer, one copy: the rows' logits indices, then the positions of the rows to narrow.
-        indices = self._host_rows[:count + len(closing)]
-        indices.numpy()[:] = [row.row for row in rows] + closing  # straight into the (pinned) buffer
-        if device.type != "cuda":
-            return masks, indices
+        indices = self._host_rows[:count]
+        indices.numpy()[:] = [-1 if row is None else row.row for row in rows]  # straight into the (pinned) buffer
+        closing = self._host_closing[:count]
+        if device.type != "cuda" or not cuda_kernel_available():
+            positions = np.flatnonzero(closing.numpy() >= 0)
+            if len(positions):
+                self._escapes.narrow_to_endings(masks, positions.tolist())
+            if device.type != "cuda":
+                return masks, indices
+            closing = self._host_closing[:0]
         stream = stream or torch.cuda.current_stream(device)
         if self._device is None or self._device.device != device or self._device.capacity < count:
             if self._device is not None:
                 torch.cuda.synchronize(self._device.device)  # queued work may still read the old buffers
             self._device = DeviceCopies(device, max(count, self._capacity), self._host_masks.shape[1],
                                         self._escapes.ending_tables())
-        device_masks, device_indices, self._copy_done = self._device.copy(masks, indices, stream)
-        if closing:
+        device_masks, device_indices, copy_done = self._device.copy(masks, indices, closing, stream, gate)
+        if gate is None:  # a gated copy waits for the fill, which must not wait for it (`_reserve`)
+            self._copy_done = copy_done
+        if len(closing):  # rows not closing hold -1: the kernel skips them
             with torch.cuda.stream(stream):
                 narrow_to_endings(device_masks, device_indices[count:], *self._device.ending_tables)
         return device_masks, device_indices[:count]
@@ -309,16 +334,32 @@ class MaskPostProcessor:
             self._copy_done.synchronize()  # the previous step's async copy still reads the buffer
             self._copy_done = None
         if count > self._capacity:
-            kept = self._host_masks[:keep]
+            if self._fixed_host:
+                raise RuntimeError(f"{count} constrained rows in a step, more than the mask buffer's {self._capacity}")
+            kept, kept_closing = self._host_masks[:keep], self._host_closing[:keep]
             self._allocate_host(count)
             self._host_masks[:keep] = kept
+            self._host_closing[:keep] = kept_closing
 
-    def _allocate_host(self, capacity: int) -> None:
+    def _allocate_host(self, capacity: int, host_masks: Optional[torch.Tensor] = None) -> None:
         self._capacity = capacity
-        self._host_masks = allocate_token_bitmask(capacity, self.vocab_size)  # pinned when CUDA is present
-        self._host_rows = torch.empty(2 * capacity, dtype=torch.int64, pin_memory=self.pin_memory)  # `upload`'s
+        # Pinned when CUDA is present.
+        self._host_masks = allocate_token_bitmask(capacity, self.vocab_size) if host_masks is None else host_masks
+        self._host_rows = torch.empty(capacity, dtype=torch.int64, pin_memory=self.pin_memory)  # `upload`'s
+        # Row j's position where its mask narrows to an ending (`_mark_closing`), else -1.
+        self._host_closing = torch.full((capacity,), -1, dtype=torch.int64, pin_memory=self.pin_memory)
+        self._closing_flags = self._host_closing.numpy()
         self._row_bytes = self._host_masks.shape[1] * 4
         self._host_views = [self._host_masks[:count] for count in range(capacity + 1)]
+
+    def _mark_closing(self, rows: Sequence[ConstrainedRow], offset: int) -> None:
+        """Mark buffer row offset + j for narrowing where rows[j] is near its length limit
+        (`closing`, which the fill's loop steering sets), for `upload`."""
+        flags = self._closing_flags[offset:offset + len(rows)]
+        flags.fill(-1)
+        closing = closing_positions(rows)
+        if closing:
+            flags[closing] = np.asarray(closing) + offset
 
 
 
@@ -352,20 +393,25 @@ class DeviceCopies:
         self.free: list[Optional[torch.cuda.Event]] = [None, None]
         self.next = 0
 
-    def copy(self, masks: torch.Tensor, indices: torch.Tensor, stream: torch.cuda.Stream
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
-        """`masks` and `indices` (pinned host, at most twice as many as the masks) on the device for
-        the work queued on `stream` from now on, until the upload after next; and the copy's event
-        (the host buffers are free after it)."""
+    def copy(self, masks: torch.Tensor, indices: torch.Tensor, closing: torch.Tensor, stream: torch.cuda.Stream,
+             gate: Optional[GateTicket] = None) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
+        """`masks`, `indices` and `closing` (pinned host; no more indices nor closing than masks)
+        on the device for the work queued on `stream` from now on, until the upload after next:
+        the masks, and the indices followed by the closing positions; and the copy's event (the
+        host buffers are free after it). With `gate`, the copy waits for it on the device."""
         slot, self.next = self.next, self.next ^ 1
         device_masks = self.buffers[slot][0][:masks.shape[0]]
-        device_rows = self.buffers[slot][1][:indices.shape[0]]
+        device_rows = self.buffers[slot][1][:indices.shape[0] + closing.shape[0]]
         free = self.free[slot]
         with torch.cuda.stream(self.stream):
             if free is not None:
                 self.stream.wait_event(free)
+            device_rows[:indices.shape[0]].copy_(indices, non_blocking=True)  # ready now: before the wait
+            if gate is not None:
+                gate.wait(self.stream)
             device_masks.copy_(masks, non_blocking=True)
-            device_rows.copy_(indices, non_blocking=True)
+            if closing.shape[0]:
+                device_rows[indices.shape[0]:].copy_(closing, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         stream.wait_event(done)

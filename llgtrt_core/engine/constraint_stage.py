@@ -19,6 +19,12 @@ job per step on a pool of their own, so the batch's fill returns without them (a
 its slowest row: 3-10 ms for a string `pattern` with `maxLength`). When such a row's mask is not
 ready at its draw, `masks` says it sits the step out (the engine drops its draw and decodes its
 previous token again); its mask stays on the way and serves the next step.
+
+On CUDA the engine thread does not wait for the fill (where the driver lets a stream wait on host
+memory, `HostGate`): `masks` queues the masks' copy behind a wait on the device, which the fill's
+thread lets go once the step's fills are done. The engine thread queues the draw and the next
+decode meanwhile, as in a step without constraints, so its own work (handing out tokens,
+scheduling) is off the step's path; the fill alone is on it.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from llgtrt_core.engine.interface import (ApartFiller, ConstrainedRow, Constrain
 from llgtrt_core.engine.sequence import Sequence
 from llgtrt_core.engine.step_profile import StepPhases
 from llgtrt_core.engine.sampler import DeviceMasks
+from llgtrt_core.kernels import cuda_kernel_available
+from llgtrt_core.kernels.host_gate import GateTicket, HostGate
 from llgtrt_core.os_threads import name_os_thread
 
 logger = logging.getLogger(__name__)
@@ -77,17 +85,22 @@ class ConstraintStage:
         self.forwarder = post_processor if fast_forward and isinstance(post_processor, FastForwarder) else None
         self.device = device
         self._pool: Optional[ThreadPoolExecutor] = None
-        self._ahead: Optional[tuple[list[ConstrainedRow], Future]] = None  # the next step's fill, begun early
+        # The next step's fill, begun early: a future, or what `send_fill` returned (None until `tokens_read`).
+        self._ahead: Optional[tuple[list[ConstrainedRow], Optional[Future]]] = None
         self._layout: Optional[_Layout] = None  # the rows the fill begun ahead was for
         # Rows filled apart: by constraint, the job computing its next mask and its row in the job's
         # masks, from its start until a draw takes the mask. Only the job touches that matcher meanwhile.
         self._apart: dict[int, tuple[Future, int]] = {}
         self._apart_pool: Optional[ThreadPoolExecutor] = None
+        self._gate: Optional[HostGate] = None  # on CUDA: the device, not the engine thread, waits for the fill
 
-    def start(self) -> None:
+    def start(self, device_waits: bool = True) -> None:
+        """device_waits: on CUDA, where the driver can, the draw's masks are waited for on the device."""
         if self.post_processor is not None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="mask-fill", initializer=name_os_thread,
                                             initargs=("mask-fill",))
+            if device_waits and self.device.type == "cuda" and cuda_kernel_available():
+                self._gate = HostGate.create(self.device)
         if isinstance(self.post_processor, ApartFiller):
             # Two: a row that sat out may still be filling when the others' next job starts.
             self._apart_pool = ThreadPoolExecutor(2, thread_name_prefix="mask-fill-apart", initializer=name_os_thread,
@@ -97,9 +110,20 @@ class ConstraintStage:
         for pool in (self._pool, self._apart_pool):
             if pool is not None:
                 pool.shutdown()
-        self._pool = self._apart_pool = None
+        self._pool = self._apart_pool = self._gate = None
         self._apart.clear()
         self._layout = None
+
+    @property
+    def forwards_each_token(self) -> bool:
+        """Whether a sequence may fast-forward past its start (the post-processor commits any token at
+        once; the fill process commits every sampled token in a fill)."""
+        return self.forwarder is not None and self.forwarder.forwards_each_token
+
+    @property
+    def device_waits(self) -> bool:
+        """Whether a step's draw waits for its masks on the device (`masks`), not on the engine thread."""
+        return self._gate is not None
 
     def phases(self) -> Optional[StepPhases]:
         """The post-processor's fill phases, when it keeps them."""
@@ -129,7 +153,10 @@ class ConstraintStage:
             rows = [row for row in rows if id(row.constraint) not in self._apart]
         apart, rows = self._split_apart(rows)
         if rows:
-            self._ahead = (rows, self._pool.submit(self._fill_ahead, rows, read_tokens))
+            # A post-processor that sends its fills away is handed the tokens by the engine thread
+            # (`tokens_read`); otherwise the fill's thread waits for them.
+            sends = hasattr(self.post_processor, "send_fill")
+            self._ahead = (rows, None if sends else self._pool.submit(self._fill_ahead, rows, read_tokens))
         if apart:
             self._start_apart(apart, read_tokens)
         return True
@@ -144,6 +171,13 @@ class ConstraintStage:
             rows = [ConstrainedRow(c, index, None) for index, c in enumerate(constraints) if c is not None]
             layout = self._layout = _Layout(constraints, rows, any([seq.fast_forward for seq in running]))
         return layout
+
+    def tokens_read(self, tokens: Seq[int]) -> None:
+        """The engine thread read the draw the fill begun ahead waits for (row i's token tokens[i]):
+        a post-processor that sends its fills away gets it now."""
+        if self._ahead is not None and self._ahead[1] is None:
+            rows = self._ahead[0]
+            self._ahead = (rows, self.post_processor.send_fill(_with_tokens(rows, tokens)))
 
     def _fill_ahead(self, rows: list[ConstrainedRow], read_tokens: Callable[[], Seq[int]]) -> torch.Tensor:
         return self.post_processor.fill(_with_tokens(rows, read_tokens()))
@@ -170,7 +204,8 @@ class ConstraintStage:
         whatever it raised (reading a failed draw), which would otherwise fail the next step's rows."""
         if self._ahead is not None:
             (_, future), self._ahead = self._ahead, None
-            future.exception()
+            if future is not None:  # None: its tokens were never read, nothing was sent
+                future.exception()
         self._apart.clear()  # their sequences are gone; each job ends on its own
 
     def begin(self, running: Seq[Sequence]) -> StepFill:
@@ -228,27 +263,46 @@ class ConstraintStage:
         """The step's masks on the device, for the sampler to apply (None when no row is constrained
         or the fill failed: its rows then end with an error, the others go on unmasked), and the rows
         that sit this step out: filled apart, their mask not ready, and `may_sit_out` (their draw can
-        be made again alike). Unless every row would: then the step waits for them."""
+        be made again alike). Unless every row would: then the step waits for them.
+        With a gate (`device_waits`), the fill is not waited for here: its masks' copy waits on the
+        device until the fill's thread, done with the step's fills, opens the gate; a failed fill's
+        rows are drawn under whatever masks it left, and end with the error all the same."""
         for row in fill.rows[fill.num_ahead:]:  # the fill begun ahead committed its rows' tokens itself
             running[row.row].uncommitted_token = None
-        rows: list[ConstrainedRow] = []
+        rows: list[Optional[ConstrainedRow]] = []
         host: Optional[torch.Tensor] = None
-        error = fill.error()
-        if error is not None:
-            logger.error("mask fill failed", exc_info=error)
+        gate: Optional[GateTicket] = None
+        if fill.futures and self._gate is not None and len(fill.rows) + len(fill.apart) <= self.post_processor.capacity:
+            # Opened by the fill's thread after the step's fills (queued before it, or sent away:
+            # their answers taken there); queued before any wait for it, so a step that fails from
+            # here on leaves no stream waiting for good.
+            gate = GateTicket(self._gate, self._gate.ticket())
+            self._pool.submit(self._open_after, fill, gate.ticket)
+            rows, host = list(fill.rows), self.post_processor.host_masks(len(fill.rows))
         elif fill.futures:
-            rows, host = _drop_left(fill.rows, fill.futures[-1].result())
+            error = fill.error()
+            if error is not None:
+                logger.error("mask fill failed", exc_info=error)
+            else:
+                rows, host = list(fill.rows), fill.futures[-1].result()
         sitting_out = [row.row for row in fill.apart
                        if not self._apart[id(row.constraint)][0].done() and may_sit_out(row.row)]
         if len(sitting_out) == len(running):
             sitting_out = []
         taken = [row for row in fill.apart if row.row not in sitting_out]
         if taken:
-            host = self.post_processor.extend(host, [self._take_apart(row.constraint) for row in taken])
+            host = self.post_processor.extend(host, taken, [self._take_apart(row.constraint) for row in taken])
             rows += taken
-        if not rows:
+        if not any(rows):  # none constrained, or all left
             return None, sitting_out
-        return self.post_processor.upload(rows, host, self.device, stream), sitting_out
+        return self.post_processor.upload(rows, host, self.device, stream, gate), sitting_out
+
+    def _open_after(self, fill: StepFill, ticket: int) -> None:
+        """On the fill's thread: once the step's fills are done, let the copy of their masks go."""
+        try:
+            fill.error()
+        finally:
+            self._gate.open(ticket)
 
     def _take_apart(self, constraint: Constraint) -> torch.Tensor:
         """The row's mask filled apart, waited for: its job's row (1, words)."""
@@ -271,18 +325,3 @@ def _with_tokens(rows: list[ConstrainedRow], tokens: Seq[int]) -> list[Constrain
     passes: the fill's thread holds the GIL meanwhile, which the engine thread may wait for."""
     indices = list(map(_ROW, rows))
     return list(map(_NEW_ROW, zip(map(_CONSTRAINT, rows), indices, map(tokens.__getitem__, indices))))
-
-
-def _drop_left(rows: list[Optional[ConstrainedRow]], host: torch.Tensor) -> tuple[list[ConstrainedRow], torch.Tensor]:
-    """The rows still running and their masks, the rows of those that left filled from the end
-    (a few a step), as the scheduler fills a finished sequence's cache row."""
-    live = list(filter(None, rows))  # a ConstrainedRow, a non-empty tuple, is true
-    if len(live) == len(rows):
-        return live, host
-    kept = list(rows[:len(live)])
-    tail = (j for j in range(len(live), len(rows)) if rows[j] is not None)
-    for hole in (j for j, row in enumerate(kept) if row is None):
-        source = next(tail)
-        host[hole] = host[source]
-        kept[hole] = rows[source]
-    return kept, host[:len(live)]  # type: ignore[return-value]

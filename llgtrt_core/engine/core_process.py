@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,9 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Optional
 
+import torch
+
+from llgtrt_core.constraints.fill_process import RemoteMaskPostProcessor
 from llgtrt_core.constraints.grammar import GrammarCompiler, GrammarConstraint, build_ll_tokenizer
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor
 from llgtrt_core.engine.core_protocol import CoreSpec, delta_row
@@ -73,8 +77,17 @@ class EngineCore:
         ll_tokenizer = build_ll_tokenizer(tokenizer.hf, spec.vocab_size, list(spec.eos_token_ids))
         self.grammars = GrammarCompiler.from_config(ll_tokenizer, spec.llguidance)
         config = spec.engine_config
-        post_processor = MaskPostProcessor(ll_tokenizer, num_threads=spec.llguidance.mask_threads,
-                                           max_batch_size=config.max_batch_size)  # type: ignore[attr-defined]
+        self.fill_process: Optional[RemoteMaskPostProcessor] = None
+        post_processor: MaskPostProcessor
+        if spec.llguidance.fill_process if spec.llguidance.fill_process is not None else torch.cuda.is_available():
+            self._fill_folder = tempfile.TemporaryDirectory(prefix="llgtrt-fill-")  # private to the user
+            post_processor = self.fill_process = RemoteMaskPostProcessor.start(
+                spec.model_dir, ll_tokenizer, spec.vocab_size, spec.eos_token_ids, spec.llguidance,
+                config.max_batch_size, os.path.join(self._fill_folder.name, "fill.sock"))  # type: ignore[attr-defined]
+            self.grammars.on_miss = self.fill_process.precompile  # both compile a new grammar at once
+        else:
+            post_processor = MaskPostProcessor(ll_tokenizer, num_threads=spec.llguidance.mask_threads,
+                                               max_batch_size=config.max_batch_size)  # type: ignore[attr-defined]
         cuda_kernel_available()  # build (or load) the CUDA mask kernel now, not on the first constrained step
         self.engine = TorchEngine(Path(spec.model_dir), config, post_processor, deliver=self._send_deltas)  # type: ignore[arg-type]
         # Requests whose grammar is compiling (an abort drops them when it is done), the requests in
@@ -107,6 +120,8 @@ class EngineCore:
                 listener.close()
             asyncio.run(self.engine.shutdown())
             self.grammars.close()
+            if self.fill_process is not None:
+                self.fill_process.close()
 
     # ---- workers ---------------------------------------------------------------------
 
@@ -226,6 +241,8 @@ class EngineCore:
             if delta.finish_reason is not None:
                 constraint = self._constraints.pop(rid, None)  # type: ignore[arg-type]
                 grammar_error = constraint is not None and constraint.error is not None
+                if constraint is not None and self.fill_process is not None:
+                    self.fill_process.release(constraint)
                 worker, request_id = self._routes.pop(rid)  # type: ignore[arg-type]
             else:
                 worker, request_id = self._routes[rid]  # type: ignore[index]

@@ -12,11 +12,15 @@ from __future__ import annotations
 import abc
 import asyncio
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Literal, Mapping, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
+from typing import (TYPE_CHECKING, AsyncIterator, Literal, Mapping, NamedTuple, Optional, Protocol, Sequence,
+                    runtime_checkable)
 
 import torch
 
 from llgtrt_core.engine.dry import DryParams
+
+if TYPE_CHECKING:
+    from llgtrt_core.kernels.host_gate import GateTicket
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 # Which distribution logprobs report: the model's own ("raw", before the constraint mask and every
@@ -119,9 +123,21 @@ class StagedPostProcessor(Protocol):
         `offset` an earlier fill's of the same step; valid until the next `fill` at offset 0."""
         ...
 
-    def upload(self, rows: Sequence[ConstrainedRow], masks: torch.Tensor, device: torch.device,
-               stream: Optional[torch.cuda.Stream] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(masks, int64 logits row indices) on `device`, enqueued on `stream` on CUDA."""
+    def host_masks(self, count: int) -> torch.Tensor:
+        """The first `count` rows of the buffer `fill` writes (what it returns once done)."""
+        ...
+
+    @property
+    def capacity(self) -> int:
+        """Rows the buffer holds without being replaced: while fills run, `host_masks` of at most
+        this many rows stays theirs."""
+        ...
+
+    def upload(self, rows: Sequence[Optional[ConstrainedRow]], masks: torch.Tensor, device: torch.device,
+               stream: Optional[torch.cuda.Stream] = None, gate: Optional[GateTicket] = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(masks, int64 logits row indices; -1 for a row given as None, whose mask is skipped) on
+        `device`, enqueued on `stream` on CUDA; with `gate`, the copy waits on the device for it."""
         ...
 
 
@@ -133,6 +149,8 @@ class FastForwarder(Protocol):
     after sampling, instead of leaving the token for the next post-processor call to commit;
     an engine that cannot (TensorRT-LLM) never calls it and the post-processor commits as usual.
     """
+
+    forwards_each_token: bool  # False: only at a request's start (token None); later tokens come through fills
 
     def commit_with_forced(self, constraint: Constraint, token: Optional[int], limit: int,
                            stop_token_ids: frozenset[int] = frozenset()) -> list[int]:
@@ -157,8 +175,10 @@ class ApartFiller(Protocol):
         (a failed row gets its constraint's error and the EOS-only mask)."""
         ...
 
-    def extend(self, masks: Optional[torch.Tensor], more: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The step's host masks for `upload`: `masks` (this step's `fill`; None: none) then the rows of `more`."""
+    def extend(self, masks: Optional[torch.Tensor], rows: Sequence[ConstrainedRow],
+               more: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The step's host masks for `upload`: `masks` (this step's `fill`; None: none) then the rows
+        of `more`, `rows`' masks in order."""
         ...
 
 

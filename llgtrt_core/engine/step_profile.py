@@ -42,17 +42,22 @@ class StepPhases:
 
     def mark(self, phase: str) -> None:
         wall, cpu = time.perf_counter(), time.thread_time()
-        totals = self.totals.get(phase)
-        if totals is None:
-            totals = self.totals[phase] = PhaseTotals()
-        totals.count += 1
-        totals.wall_s += wall - self._wall
-        totals.cpu_s += cpu - self._cpu
+        self.add(phase, wall - self._wall, cpu - self._cpu)
         if self.log is not None:
             self._step[phase] = self._step.get(phase, 0.0) + (wall - self._wall) * 1e3
         self._wall, self._cpu = wall, cpu
         if self.trace is not None:
             self.trace.phase_ended(phase)
+
+    def add(self, phase: str, wall_s: float, cpu_s: float = 0.0) -> None:
+        """One span of `phase` into its totals: `mark`'s, or one timed elsewhere (another process:
+        perf_counter is the machine's monotonic clock), its wall time only."""
+        totals = self.totals.get(phase)
+        if totals is None:
+            totals = self.totals[phase] = PhaseTotals()
+        totals.count += 1
+        totals.wall_s += wall_s
+        totals.cpu_s += cpu_s
 
     def end_step(self, record: dict[str, object]) -> None:
         """With a log: write `record` (what the step ran) with its phases' wall ms."""

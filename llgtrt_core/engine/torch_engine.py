@@ -162,7 +162,7 @@ class TorchEngine(Engine):
                                   compiled_decode, kernel_threads)
         self.scheduler = Scheduler(self.cache, self.config.prefill_chunk_tokens, self._prepare, self._join,
                                    self._move_row)
-        self.constraints.start()
+        self.constraints.start(self.config.device_waits_for_masks)
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
         self._thread.start()
         logger.info("torch engine ready: %s on %s, batch %d, context %d, KV cache %s tokens",
@@ -342,8 +342,11 @@ class TorchEngine(Engine):
                 self._ran["spread_steps"] = self.runner.compiled_decode.num_spread_steps
             if self._ran and self.runner.kernel_threads is not None:  # logging: steps whose matmuls shared threads so far
                 self._ran["shared_steps"] = self.runner.kernel_threads.num_shared_steps
-        finally:
-            fill.error()
+        except BaseException:
+            fill.error()  # the step fails: its fill must be done with the matchers first
+            raise
+        if logits is None or not self.constraints.device_waits:
+            fill.error()  # else the draw's masks are waited for on the device (constraint_stage.py)
         self.phases.mark("fill_wait")
         self._emit_prefilled(plan)
         if logits is None:  # only part of a prompt ran: nothing to sample
@@ -363,6 +366,9 @@ class TorchEngine(Engine):
         fed = self.overlap_steps and self._queue_ahead(running, tokens)
         sampled = pending.result()
         self.phases.mark("gpu_wait")
+        if committed:
+            self.constraints.tokens_read(sampled.token_ids)
+            self.phases.mark("fill_send")
         failed = fill.failed_rows()
         finished: list[int] = []
         for index, (seq, token, logprob) in enumerate(zip(running, sampled.token_ids, sampled.logprobs)):
@@ -456,11 +462,12 @@ class TorchEngine(Engine):
         seq.fast_forward = self.constraints.forwarder is not None and seq.request.constraint is not None and not (
             sampling.logprobs is not None and sampling.logprobs_mode == "raw_logprobs")
         forced = self.constraints.forced(seq, None, min(sampling.max_tokens, self.max_model_len - len(prompt)) - 1)
-        if self.runner.decode_graphs is not None:
+        if self.runner.decode_graphs is not None or not self.constraints.forwards_each_token:
             # Past the prefix that rides on the prefill, an eager `extend` of a forced run costs
             # several graph decode steps and holds up the whole batch (constrained time per token
             # was 5.8x the unconstrained at batch 1 on an 8B model): later forced tokens are
-            # sampled, the mask allowing only them, one graph step each.
+            # sampled, the mask allowing only them, one graph step each. So too where the fill
+            # process commits the sampled tokens.
             seq.fast_forward = False
         seq.token_ids = list(prompt)
         seq.prefill_tokens = prompt + forced

@@ -27,6 +27,8 @@ class TorchEngineConfig:
     cpu_prompt_threads: Optional[int] = None  # a prompt-only step's threads while cores idle; default: all; 0: off
     cpu_kernel_threads: Optional[int] = None  # threads our cpu kernels share while cores idle; default: all cores
     cuda_graphs: bool = True  # decode under CUDA graphs (cuda only)
+    # cuda: a step's draw waits for its masks on the device, where the driver can (constraint_stage.py)
+    device_waits_for_masks: bool = True
     fast_forward: bool = True  # feed the tokens a grammar forces in one forward pass, unsampled
     prefill_chunk_tokens: Optional[int] = None  # prompt tokens prefilled per step; None or 0: whole prompts
     mixed_prefill: bool = True  # decode and the step's prompts in one forward pass (model_runner.py)

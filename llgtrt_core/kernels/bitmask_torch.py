@@ -26,7 +26,13 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def apply_token_bitmask_inplace_torch(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[torch.Tensor] = None
 ) -> None:
-    """`rows` (int64, on logits' device, distinct) maps mask row j to logits row rows[j]."""
+    """`rows` (int64, on logits' device, distinct) maps mask row j to logits row rows[j]; a
+    negative one to none (its mask is skipped, as the CUDA kernel does)."""
+    if rows is not None and bool((rows < 0).any()):
+        kept = rows >= 0
+        bitmask, rows = bitmask[kept.to(bitmask.device)], rows[kept]
+        if not len(rows):
+            return
     allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[1])
     covered = allowed.shape[1]
     if rows is None:

@@ -1,0 +1,156 @@
+"""The mask fill in a process of its own (constraints/fill_process.py), on the real default model
+with real llguidance, on the CPU (on a GPU it is the default): the same greedy output as the fill
+in the engine's process, each constrained answer valid against its schema, loop guards and
+length limits steering there, a finished request's constraint dropped there, and a fill process
+that dies failing the constrained rows only."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Optional
+
+import jsonschema
+import llguidance
+import pytest
+
+from llgtrt_core.config import LlguidanceConfig
+from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
+from llgtrt_core.constraints.fill_process import RemoteMaskPostProcessor
+from llgtrt_core.constraints.postprocessor import MaskPostProcessor
+from llgtrt_core.constraints.request_grammar import json_schema_grammar
+from llgtrt_core.engine.interface import GenerationRequest, LoopGuardSettings, SamplingParams
+from llgtrt_core.engine.torch_engine import TorchEngine
+from llgtrt_core.engine.torch_engine_config import TorchEngineConfig
+from llgtrt_core.tokenizer import Tokenizer
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer"},
+        "city": {"type": "string", "enum": ["Paris", "London", "Berlin"]},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+    },
+    "required": ["name", "age", "city", "hobbies"],
+    "additionalProperties": False,
+}
+QUESTIONS = ["Describe a person as JSON.", "Who lives in Berlin? Answer in JSON.", "Write a haiku about the sea."]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(stored_model_dir: Path) -> Tokenizer:
+    return Tokenizer(stored_model_dir)
+
+
+@pytest.fixture(scope="module")
+def vocab_size(stored_model_dir: Path) -> int:
+    return json.loads((stored_model_dir / "config.json").read_text())["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    return build_ll_tokenizer(tokenizer.hf, vocab_size, sorted(tokenizer.eos_token_ids))
+
+
+def chat_prompt(tokenizer: Tokenizer, question: str) -> list[int]:
+    ids = tokenizer.hf.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def remote(stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer, vocab_size: int,
+           tmp_path: Path) -> RemoteMaskPostProcessor:
+    return RemoteMaskPostProcessor.start(str(stored_model_dir), ll_tokenizer, vocab_size,
+                                         sorted(tokenizer.eos_token_ids), LlguidanceConfig(), 4,
+                                         str(tmp_path / "fill.sock"))
+
+
+Result = tuple[list[int], Optional[str], Optional[str]]
+
+
+def run(stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer, post_processor: MaskPostProcessor,
+        max_tokens: int = 100, overlap_steps: bool = False, guard: Optional[LoopGuardSettings] = None,
+        between=None) -> list[Result]:
+    """QUESTIONS' requests at once (the last unconstrained), greedy, float32: tokens, finish, error."""
+
+    async def generate() -> list[Result]:
+        compiler = GrammarCompiler(ll_tokenizer)
+        engine = TorchEngine(stored_model_dir, TorchEngineConfig(device="cpu", dtype="float32", max_batch_size=4,
+                                                                 fast_forward=False, overlap_steps=overlap_steps),
+                             post_processor)
+        await engine.start()
+        try:
+            compiled = await compiler.compile(json_schema_grammar(SCHEMA))
+
+            async def one(i: int, question: str) -> Result:
+                constraint = compiler.new_constraint(compiled, loop_guard=guard) if i < 2 else None
+                sampling = SamplingParams(temperature=0.0, stop_token_ids=tokenizer.eos_token_ids,
+                                          max_tokens=max_tokens)
+                tokens, reason, error = [], None, None
+                async for delta in engine.generate(GenerationRequest(f"r{i}", chat_prompt(tokenizer, question),
+                                                                     sampling, constraint)):
+                    tokens += delta.token_ids
+                    reason, error = delta.finish_reason, delta.error
+                    if between is not None and len(tokens) == 5:
+                        between()
+                if constraint is not None and isinstance(post_processor, RemoteMaskPostProcessor):
+                    post_processor.release(constraint)  # as the engine process does at a request's end
+                return tokens, reason, error
+
+            return list(await asyncio.gather(*(one(i, q) for i, q in enumerate(QUESTIONS))))
+        finally:
+            await engine.shutdown()
+            compiler.close()
+
+    return asyncio.run(generate())
+
+
+@pytest.mark.parametrize("overlap_steps", [False, True])
+def test_same_greedy_output_as_the_fill_in_the_engines_process(stored_model_dir: Path, ll_tokenizer,
+                                                               tokenizer: Tokenizer, vocab_size: int,
+                                                               tmp_path: Path, overlap_steps: bool) -> None:
+    local = run(stored_model_dir, ll_tokenizer, tokenizer, MaskPostProcessor(ll_tokenizer, max_batch_size=4),
+                overlap_steps=overlap_steps)
+    fill_process = remote(stored_model_dir, ll_tokenizer, tokenizer, vocab_size, tmp_path)
+    try:
+        remote_results = run(stored_model_dir, ll_tokenizer, tokenizer, fill_process, overlap_steps=overlap_steps)
+        assert not fill_process._ids, "finished requests' constraints are dropped"
+    finally:
+        fill_process.close()
+    assert remote_results == local
+    for tokens, reason, error in remote_results[:2]:
+        assert reason == "stop" and error is None
+        jsonschema.validate(json.loads(tokenizer.decode(tokens)), SCHEMA)
+
+
+def test_length_limits_steer_in_the_fill_process(stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer,
+                                                vocab_size: int, tmp_path: Path) -> None:
+    """Near max_tokens the loop guard there marks the rows `closing` here, and the upload narrows
+    their masks to the nearest ending: the answers close before the limit, as in-process."""
+    guard = LoopGuardSettings(max_tokens=30)
+    local = run(stored_model_dir, ll_tokenizer, tokenizer, MaskPostProcessor(ll_tokenizer, max_batch_size=4),
+                max_tokens=30, guard=guard)
+    fill_process = remote(stored_model_dir, ll_tokenizer, tokenizer, vocab_size, tmp_path)
+    try:
+        remote_results = run(stored_model_dir, ll_tokenizer, tokenizer, fill_process, max_tokens=30, guard=guard)
+    finally:
+        fill_process.close()
+    assert remote_results == local
+    for tokens, reason, _ in remote_results[:2]:
+        assert reason == "stop"
+        json.loads(tokenizer.decode(tokens))
+
+
+def test_a_fill_process_that_dies_fails_the_constrained_rows_only(stored_model_dir: Path, ll_tokenizer,
+                                                                tokenizer: Tokenizer, vocab_size: int,
+                                                                tmp_path: Path) -> None:
+    fill_process = remote(stored_model_dir, ll_tokenizer, tokenizer, vocab_size, tmp_path)
+    try:
+        results = run(stored_model_dir, ll_tokenizer, tokenizer, fill_process, max_tokens=40,
+                      between=fill_process._process.kill)
+    finally:
+        fill_process.close()
+    for tokens, reason, error in results[:2]:
+        assert reason == "error" and "mask fill" in error
+    assert results[2][1] in ("stop", "length") and results[2][2] is None
