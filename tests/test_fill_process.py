@@ -24,24 +24,9 @@ from llgtrt_core.engine.interface import GenerationRequest, LoopGuardSettings, S
 from llgtrt_core.engine.torch_engine import TorchEngine
 from llgtrt_core.engine.torch_engine_config import TorchEngineConfig
 from llgtrt_core.tokenizer import Tokenizer
+from tests.test_fast_forward import SCHEMA, tokenizer  # noqa: F401 (the fixture: the default model's)
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer"},
-        "city": {"type": "string", "enum": ["Paris", "London", "Berlin"]},
-        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
-    },
-    "required": ["name", "age", "city", "hobbies"],
-    "additionalProperties": False,
-}
 QUESTIONS = ["Describe a person as JSON.", "Who lives in Berlin? Answer in JSON.", "Write a haiku about the sea."]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(stored_model_dir: Path) -> Tokenizer:
-    return Tokenizer(stored_model_dir)
 
 
 @pytest.fixture(scope="module")
