@@ -226,7 +226,8 @@ for stage in "$@"; do
         serve
         wait $BASE_STARTING || exit 1
         unset LLGTRT_CONFIG
-        echo "-- base $(cat .serve_whl/base/REVISION) on port 3001, current (working tree) on port 3000; seed $SEED"
+        echo "-- base $(cat .serve_whl/base/REVISION) on port 3001 (process group $(cat /tmp/server_3001.pgid)), current" \
+            "(working tree) on port 3000 (process group $(cat /tmp/server.pgid)); seed $SEED"
         PAUSE_TARGETS=$(servers)
         : > $OUT/pair_rounds.txt
         for CONDITION in ${PAIR_PAUSES:-$([ -n "${PAUSE_CORES:-}" ] && echo "$PAUSE_CORES@${PAUSE_THREADS:-all}" || echo none)}; do

@@ -38,7 +38,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 PTRACE_DETACH, PTRACE_SEIZE, PTRACE_INTERRUPT = 17, 0x4206, 0x4207
 WALL = 0x40000000  # waitpid's __WALL: a thread of another process, traced by this one
@@ -49,9 +49,9 @@ _libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c
 _libc.ptrace.restype = ctypes.c_long
 
 
-def process_tree(roots: list[int], pattern: Optional[re.Pattern[str]]) -> list[int]:
+def process_tree(roots: list[int], pattern: Optional[re.Pattern[str]]) -> dict[int, int]:
     """`roots`, the processes whose command line matches `pattern` (this one aside) and every
-    descendant of those."""
+    descendant of those, each mapped to the one of those it descends from (its tree's root)."""
     children: dict[int, list[int]] = collections.defaultdict(list)
     found = set(roots)
     for entry in Path("/proc").iterdir():
@@ -65,15 +65,17 @@ def process_tree(roots: list[int], pattern: Optional[re.Pattern[str]]) -> list[i
         children[int(stat[stat.rindex(")") + 2:].split()[1])].append(int(entry.name))  # its parent's pid
         if pattern is not None and pattern.search(command):
             found.add(int(entry.name))
-    tree, todo = [], list(found)
+    tree: dict[int, int] = {}
+    todo = [(pid, pid) for pid in found]
     while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
+        pid, root = todo.pop()
+        if pid not in tree:  # a matched process under a root stays in the root's tree
+            tree[pid] = root
+            todo.extend((child, root) for child in children.get(pid, []))
     return tree
 
 
-def threads_of(pids: list[int], names: Optional[re.Pattern[str]] = None) -> list[tuple[int, int]]:
+def threads_of(pids: Iterable[int], names: Optional[re.Pattern[str]] = None) -> list[tuple[int, int]]:
     """(pid, tid) of every thread of `pids`; with `names`, of those whose name (as the OS has it) matches."""
     threads = []
     for pid in pids:
@@ -163,6 +165,7 @@ class Targets:
                  names: Optional[re.Pattern[str]]) -> None:
         self._roots, self._pattern, self._names = roots, pattern, names
         self.recent: list[tuple[int, int]] = []  # replaced whole, never changed: pausers read it as it is
+        self.root_of: dict[int, int] = {}  # pid -> its tree's root (`process_tree`), replaced whole too
 
     def watch(self, until: float, stopping: threading.Event) -> None:
         threads: list[tuple[int, int]] = []
@@ -171,7 +174,8 @@ class Targets:
         looked_up = -1.0
         while time.monotonic() < until and not stopping.is_set():
             if time.monotonic() - looked_up > 1.0:
-                threads = threads_of(process_tree(self._roots, self._pattern), self._names)
+                self.root_of = process_tree(self._roots, self._pattern)
+                threads = threads_of(self.root_of, self._names)
                 looked_up = time.monotonic()
             now = {thread: cpu_ns(*thread) for thread in threads}
             ran = {thread for thread, ns in now.items() if ns > before.get(thread, ns)}
@@ -191,6 +195,7 @@ class Pauser:
         self.pauses = 0
         self.held_s = 0.0
         self.by_name: collections.Counter[str] = collections.Counter()
+        self.by_root: collections.Counter[int] = collections.Counter()  # pauses by process tree (its root's pid)
 
     def run(self, until: float, stopping: threading.Event) -> None:
         mean_gap = self.pause_s * (1 / self.share - 1)  # a pause, then this on average: `share` paused
@@ -227,6 +232,7 @@ class Pauser:
             self.held_s += held
             self.pauses += 1
             self.by_name[thread_name(pid, tid)] += 1
+            self.by_root[self.targets.root_of.get(pid, pid)] += 1
             return held
         finally:
             with Pauser.held_lock:
@@ -270,9 +276,11 @@ def main() -> None:
     elapsed = time.perf_counter() - started
     pauses, held = sum(p.pauses for p in pausers), sum(p.held_s for p in pausers)
     names = sum((p.by_name for p in pausers), collections.Counter())
+    roots = sum((p.by_root for p in pausers), collections.Counter())
     print(f"thread_pauses: {pauses} pauses in {elapsed:.1f} s, {held:.2f} s held ({held / max(elapsed, 1e-9):.2f} "
           f"threads stopped on average); by thread: "
-          + ", ".join(f"{name} {n}" for name, n in names.most_common(12)), flush=True)
+          + ", ".join(f"{name} {n}" for name, n in names.most_common(12))
+          + "; by process tree: " + ", ".join(f"{root} {n}" for root, n in sorted(roots.items())), flush=True)
 
 
 if __name__ == "__main__":
