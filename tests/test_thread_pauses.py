@@ -99,7 +99,7 @@ def test_stops_only_the_threads_named() -> None:
     child = start_child(NAMED_CHILD, 4)
     pauser = pause(child.pid, "--threads", "^target$", "--cores", "0.5", "--pause-ms", "20", "--seconds", "1.5")
     child.wait(timeout=60)
-    by_thread = pauser.stdout.splitlines()[-1].split("by thread: ")[1]
+    by_thread = pauser.stdout.splitlines()[-1].split("by thread: ")[1].split("; by process tree: ")[0]
     # Only "<process>:target <pauses>": the other thread, as busy, was never drawn.
     pauses = re.search(r":target (\d+)$", by_thread)
     assert pauses is not None and ":other" not in by_thread, pauser.stdout
@@ -127,3 +127,25 @@ def test_holds_the_share_asked_among_many_sleeping_threads() -> None:
     child.wait(timeout=60)
     held = float(re.search(r"\(([\d.]+) threads stopped on average\)", pauser.stdout)[1])
     assert 0.35 <= held <= 0.6, pauser.stdout
+
+
+# A process that only sleeps, its child hashing: the child's pauses count for the tree's root.
+PARENT_OF_HASHER = """
+import subprocess, sys, time
+hasher = subprocess.Popen([sys.executable, "-c", "import hashlib, sys, time\\n"
+                           "stop = time.perf_counter() + float(sys.argv[1])\\n"
+                           "while time.perf_counter() < stop: hashlib.sha256(b'x' * 65536).digest()", sys.argv[1]])
+print("started", flush=True)
+hasher.wait()
+"""
+
+
+def test_counts_the_pauses_by_process_tree() -> None:
+    parent, hasher = start_child(PARENT_OF_HASHER, 4), start_child(CROWDED_CHILD, 4)
+    pauser = pause(parent.pid, "--pid", str(hasher.pid), "--cores", "0.5", "--pause-ms", "4", "--seconds", "1.5")
+    parent.wait(timeout=60)
+    hasher.wait(timeout=60)
+    line = pauser.stdout.splitlines()[-1]
+    by_tree = dict(map(int, entry.split()) for entry in line.split("; by process tree: ")[1].split(", "))
+    assert set(by_tree) == {parent.pid, hasher.pid}, line  # the grandchild's pauses under its root
+    assert min(by_tree.values()) >= 3 and sum(by_tree.values()) == int(re.search(r"(\d+) pauses in", line)[1]), line
