@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import multiprocessing
 import os
 import threading
@@ -29,6 +30,7 @@ from multiprocessing.shared_memory import SharedMemory
 from typing import Optional, Sequence
 
 import torch
+from llguidance.torch import get_bitmask_shape
 
 from llgtrt_core import metrics
 from llgtrt_core.config import LlguidanceConfig
@@ -61,14 +63,19 @@ class FillSpec:
     address: str  # Unix socket the engine process's threads connect to
 
 
+def shared_masks(shared: SharedMemory, capacity: int, vocab_size: int) -> torch.Tensor:
+    """The mask buffer both processes see in `shared`: (capacity, words) int32, as llguidance lays it out."""
+    shape = get_bitmask_shape(capacity, vocab_size)
+    return torch.frombuffer(shared.buf, dtype=torch.int32, count=math.prod(shape)).view(shape)
+
+
 class RemoteMaskPostProcessor(MaskPostProcessor):
     """The engine process's side: `MaskPostProcessor` whose fills run in the fill process."""
 
     forwards_each_token = False
 
     def __init__(self, spec: FillSpec, ll_tokenizer, shared: SharedMemory, process: multiprocessing.Process) -> None:
-        words = (ll_tokenizer.vocab_size + 31) // 32
-        host = torch.frombuffer(shared.buf, dtype=torch.int32, count=spec.capacity * words).view(spec.capacity, words)
+        host = shared_masks(shared, spec.capacity, ll_tokenizer.vocab_size)
         self._pinned = False
         if torch.cuda.is_available():  # the upload copies straight from it, asynchronously
             status = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel() * 4, 0)
@@ -92,8 +99,7 @@ class RemoteMaskPostProcessor(MaskPostProcessor):
     def start(cls, model_dir: str, ll_tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
               guidance: LlguidanceConfig, capacity: int, address: str) -> "RemoteMaskPostProcessor":
         """Start the fill process and connect to it."""
-        words = (ll_tokenizer.vocab_size + 31) // 32
-        shared = SharedMemory(create=True, size=capacity * words * 4)
+        shared = SharedMemory(create=True, size=math.prod(get_bitmask_shape(capacity, ll_tokenizer.vocab_size)) * 4)
         spec = FillSpec(model_dir, vocab_size, tuple(eos_token_ids), guidance, capacity, shared.name, address)
         context = multiprocessing.get_context("spawn")
         ready, child_ready = context.Pipe(duplex=False)
@@ -265,10 +271,8 @@ class FillServer:
         ll_tokenizer = build_ll_tokenizer(Tokenizer(spec.model_dir).hf, spec.vocab_size, list(spec.eos_token_ids))
         self.compiler = GrammarCompiler.from_config(ll_tokenizer, dataclasses.replace(spec.llguidance, slow_mask_ms=None))
         self._shared = SharedMemory(spec.shared_name)  # the engine process's, which unlinks it
-        words = (ll_tokenizer.vocab_size + 31) // 32
-        host = torch.frombuffer(self._shared.buf, dtype=torch.int32, count=spec.capacity * words)
         self.processor = MaskPostProcessor(ll_tokenizer, spec.capacity, spec.llguidance.mask_threads,
-                                           host_masks=host.view(spec.capacity, words))
+                                           host_masks=shared_masks(self._shared, spec.capacity, ll_tokenizer.vocab_size))
         self.constraints: dict[int, GrammarConstraint] = {}
 
     def handle(self, message: tuple) -> object:
