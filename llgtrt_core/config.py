@@ -189,8 +189,8 @@ class LlguidanceConfig:
                                                "at most 32. Env LLGTRT_MASK_THREADS.")
     fill_process: Optional[bool] = option(None, "Commit tokens, compute masks and run the loop guards in a process "
                                                 "of their own, out of the engine thread's GIL (the embedded engine; "
-                                                "fast-forward then only at a request's start); null: with CUDA. "
-                                                "Env LLGTRT_FILL_PROCESS.")
+                                                "fast-forward then only at a request's start); null: where the engine "
+                                                "runs on CUDA. Env LLGTRT_FILL_PROCESS.")
     slow_mask_ms: Optional[float] = option(0.5, "A grammar whose masks take this long or more on average (probed "
                                                 "in the background when it is first compiled) has its rows filled "
                                                 "apart from the batch's: steps do not wait for them, and its "

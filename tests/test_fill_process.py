@@ -13,6 +13,7 @@ from typing import Optional
 
 import jsonschema
 import llguidance
+import psutil
 import pytest
 
 from llgtrt_core.config import LlguidanceConfig
@@ -24,6 +25,7 @@ from llgtrt_core.engine.interface import GenerationRequest, LoopGuardSettings, S
 from llgtrt_core.engine.torch_engine import TorchEngine
 from llgtrt_core.engine.torch_engine_config import TorchEngineConfig
 from llgtrt_core.tokenizer import Tokenizer
+from tests.bento_server import bentoml_serve
 from tests.test_fast_forward import SCHEMA, tokenizer  # noqa: F401 (the fixture: the default model's)
 
 QUESTIONS = ["Describe a person as JSON.", "Who lives in Berlin? Answer in JSON.", "Write a haiku about the sea."]
@@ -139,3 +141,23 @@ def test_a_fill_process_that_dies_fails_the_constrained_rows_only(stored_model_d
     for tokens, reason, error in results[:2]:
         assert reason == "error" and "mask fill" in error
     assert results[2][1] in ("stop", "length") and results[2][2] is None
+
+
+def test_the_server_runs_the_fill_process_when_configured(bentoml_home: Path, tmp_path: Path) -> None:
+    """LLGTRT_FILL_PROCESS=true (by default only where the engine runs on CUDA): the engine process
+    spawns the fill process, and constrained answers through the openai client stay valid."""
+    import openai
+
+    with bentoml_serve(".", bentoml_home, tmp_path / "bentoml-serve.log", env={"LLGTRT_FILL_PROCESS": "true"}) as server:
+        engines = [p for p in psutil.Process(server.process.pid).children(recursive=True)
+                   if "llgtrt_core.engine.core_process" in " ".join(p.cmdline())]
+        assert len(engines) == 1 and any("multiprocessing.spawn" in " ".join(p.cmdline()) for p in engines[0].children()), \
+            server.log_tail()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+        for question in QUESTIONS[:2]:
+            answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                                    response_format=response_format, max_tokens=100, temperature=0)
+            assert answer.choices[0].finish_reason == "stop", server.log_tail()
+            jsonschema.validate(json.loads(answer.choices[0].message.content), SCHEMA)

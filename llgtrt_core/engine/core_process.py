@@ -27,8 +27,6 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from llgtrt_core.constraints.fill_process import RemoteMaskPostProcessor
 from llgtrt_core.constraints.grammar import GrammarCompiler, GrammarConstraint, build_ll_tokenizer
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor
@@ -79,7 +77,10 @@ class EngineCore:
         config = spec.engine_config
         self.fill_process: Optional[RemoteMaskPostProcessor] = None
         post_processor: MaskPostProcessor
-        if spec.llguidance.fill_process if spec.llguidance.fill_process is not None else torch.cuda.is_available():
+        fill_process = spec.llguidance.fill_process
+        if fill_process is None:  # the default: where the engine runs on CUDA
+            fill_process = config.resolve_device().type == "cuda"  # type: ignore[attr-defined]
+        if fill_process:
             self._fill_folder = tempfile.TemporaryDirectory(prefix="llgtrt-fill-")  # private to the user
             post_processor = self.fill_process = RemoteMaskPostProcessor.start(
                 spec.model_dir, ll_tokenizer, spec.vocab_size, spec.eos_token_ids, spec.llguidance,
