@@ -296,8 +296,8 @@ for stage in "$@"; do
         each_tree gil_share --modes "none thread" --data $PWD/$D ;;
     tests)
         stop_server
-        python3 -m pytest -q -x tests/test_engine_gpu.py tests/test_scheduler.py tests/test_constraint_stage.py tests/test_host_gate.py tests/test_fill_process_gpu.py \
-            tests/test_constraints_postprocessor.py \
+        python3 -m pytest -q -x tests/test_engine_gpu.py tests/test_scheduler.py tests/test_constraint_stage.py \
+            tests/test_host_gate.py tests/test_fill_process_gpu.py tests/test_constraints_postprocessor.py \
             tests/test_sampler.py tests/test_mask_kernel.py 2>&1 | tail -5 ;;
     esac
 done
