@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -21,7 +25,7 @@ from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
 from llgtrt_core.constraints.fill_process import RemoteMaskPostProcessor
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor
 from llgtrt_core.constraints.request_grammar import json_schema_grammar
-from llgtrt_core.engine.interface import GenerationRequest, LoopGuardSettings, SamplingParams
+from llgtrt_core.engine.interface import ConstrainedRow, GenerationRequest, LoopGuardSettings, SamplingParams
 from llgtrt_core.engine.torch_engine import TorchEngine
 from llgtrt_core.engine.torch_engine_config import TorchEngineConfig
 from llgtrt_core.tokenizer import Tokenizer
@@ -161,3 +165,34 @@ def test_the_server_runs_the_fill_process_when_configured(bentoml_home: Path, tm
                                                     response_format=response_format, max_tokens=100, temperature=0)
             assert answer.choices[0].finish_reason == "stop", server.log_tail()
             jsonschema.validate(json.loads(answer.choices[0].message.content), SCHEMA)
+
+
+def test_a_sent_fill_answers_every_thread_that_asks(stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer,
+                                                   vocab_size: int, tmp_path: Path) -> None:
+    """On CUDA the fill's thread takes a sent fill's answer (to open the gate) while the engine
+    thread may ask for it too (a step whose draw did not wait for it): each caller gets the answer
+    once it has come. Two readers of the connection stalled a server for good (one waited for a
+    second answer), and a caller passing the reader returned before the answer came."""
+    fill_process = remote(stored_model_dir, ll_tokenizer, tokenizer, vocab_size, tmp_path)
+    compiler = GrammarCompiler(ll_tokenizer)
+    callers = ThreadPoolExecutor(2)
+    try:
+        constraint = compiler.new_constraint(compiler.compile_future(json_schema_grammar(SCHEMA)).result())
+        os.kill(fill_process._process.pid, signal.SIGSTOP)  # the answer held back
+        try:
+            sent = fill_process.send_fill([ConstrainedRow(constraint, 0, None)])
+            first = callers.submit(sent.result)
+            time.sleep(0.3)  # the first caller is reading the connection
+            second = callers.submit(sent.result)
+            time.sleep(0.3)
+            assert not first.done() and not second.done(), "no caller returns before the answer comes"
+        finally:
+            os.kill(fill_process._process.pid, signal.SIGCONT)
+        masks = first.result(timeout=30)
+        assert second.result(timeout=30) is masks
+        assert masks.shape[0] == 1 and masks.any(), "the row's first mask, filled there"
+        assert constraint.error is None
+    finally:
+        callers.shutdown(wait=False, cancel_futures=True)
+        fill_process.close()
+        compiler.close()

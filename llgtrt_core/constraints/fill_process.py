@@ -216,24 +216,30 @@ class RemoteMaskPostProcessor(MaskPostProcessor):
 
 class SentFill:
     """A fill `send_fill` sent: `result()` takes its answer (once) and returns the masks' host view,
-    as the future of a fill on a thread would; `exception()` the error instead."""
+    as the future of a fill on a thread would; `exception()` the error instead. Any thread may ask,
+    several at once (the fill's thread opening the gate and the engine thread, on a step whose draw
+    did not wait for it): the first reads the answer, the others wait for it."""
 
     def __init__(self, processor: RemoteMaskPostProcessor, rows: Sequence[ConstrainedRow],
                  conn: Optional[Connection], error: Optional[BaseException], sent: float = 0.0) -> None:
         self._processor, self._rows, self._conn, self._error = processor, rows, conn, error
         self._sent = sent
+        # Held while the answer is read: a second reader of the connection would wait for an answer
+        # that never comes (the server stalled), and a caller passing a reader early got no answer.
+        self._taking = threading.Lock()
 
     def result(self) -> torch.Tensor:
-        if self._conn is not None:
-            conn, self._conn = self._conn, None
-            try:
-                outcome = _answer(conn, self._processor.phases, self._sent)
-                self._processor._apply(self._rows, outcome)
-                self._processor._mark_closing(self._rows, 0)  # for `upload`, as `fill` marks its rows
-                metrics.mask_fill_time.observe(outcome[2])  # the fill process's own time
-            except RuntimeError as e:
-                self._error = e
-            self._processor.phases.mark("remote")
+        with self._taking:
+            if self._conn is not None:
+                conn, self._conn = self._conn, None
+                try:
+                    outcome = _answer(conn, self._processor.phases, self._sent)
+                    self._processor._apply(self._rows, outcome)
+                    self._processor._mark_closing(self._rows, 0)  # for `upload`, as `fill` marks its rows
+                    metrics.mask_fill_time.observe(outcome[2])  # the fill process's own time
+                except RuntimeError as e:
+                    self._error = e
+                self._processor.phases.mark("remote")
         if self._error is not None:
             raise self._error
         return self._processor._host_views[len(self._rows)]
