@@ -110,9 +110,7 @@ def test_same_greedy_output_as_the_fill_in_the_engines_process(stored_model_dir:
     finally:
         fill_process.close()
     assert remote_results == local
-    for tokens, reason, error in remote_results[:2]:
-        assert reason == "stop" and error is None
-        jsonschema.validate(json.loads(tokenizer.decode(tokens)), SCHEMA)
+    assert_valid(remote_results, tokenizer)
 
 
 def test_length_limits_steer_in_the_fill_process(stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer,
@@ -133,18 +131,41 @@ def test_length_limits_steer_in_the_fill_process(stored_model_dir: Path, ll_toke
         json.loads(tokenizer.decode(tokens))
 
 
-def test_a_fill_process_that_dies_fails_the_constrained_rows_only(stored_model_dir: Path, ll_tokenizer,
-                                                                tokenizer: Tokenizer, vocab_size: int,
-                                                                tmp_path: Path) -> None:
+def assert_valid(results: list[Result], tokenizer: Tokenizer) -> None:
+    """The constrained answers (the first two) complete and valid, the plain one ended as usual."""
+    for tokens, reason, error in results[:2]:
+        assert reason == "stop" and error is None
+        jsonschema.validate(json.loads(tokenizer.decode(tokens)), SCHEMA)
+    assert results[2][1] in ("stop", "length") and results[2][2] is None
+
+
+@pytest.mark.parametrize("fault", ["dies", "stalls"])
+def test_a_failed_fill_process_fails_its_constrained_rows_only_and_is_replaced(
+        stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer, vocab_size: int, tmp_path: Path,
+        fault: str) -> None:
+    """Killed, or silent past the answer timeout (stopped): the constrained rows it held end with an
+    error, the plain one goes on, and a new fill process serves the next requests' constraints."""
     fill_process = remote(stored_model_dir, ll_tokenizer, tokenizer, vocab_size, tmp_path)
+    fill_process.answer_timeout_s = 3
+    first = fill_process._process
+    faulted: list[int] = []
+
+    def fault_once() -> None:  # called at each request's fifth token: the first fault only
+        if not faulted:
+            faulted.append(first.pid)
+            first.kill() if fault == "dies" else os.kill(first.pid, signal.SIGSTOP)
+
     try:
-        results = run(stored_model_dir, ll_tokenizer, tokenizer, fill_process, max_tokens=40,
-                      between=fill_process._process.kill)
+        results = run(stored_model_dir, ll_tokenizer, tokenizer, fill_process, max_tokens=40, between=fault_once)
+        again = run(stored_model_dir, ll_tokenizer, tokenizer, fill_process)
+        assert fill_process._process is not first and not first.is_alive()
     finally:
         fill_process.close()
     for tokens, reason, error in results[:2]:
         assert reason == "error" and "mask fill" in error
+        assert ("did not answer within 3 s" if fault == "stalls" else "is gone") in error
     assert results[2][1] in ("stop", "length") and results[2][2] is None
+    assert_valid(again, tokenizer)
 
 
 def test_the_server_runs_the_fill_process_when_configured(bentoml_home: Path, tmp_path: Path) -> None:
@@ -196,3 +217,22 @@ def test_a_sent_fill_answers_every_thread_that_asks(stored_model_dir: Path, ll_t
         callers.shutdown(wait=False, cancel_futures=True)
         fill_process.close()
         compiler.close()
+
+
+def test_rows_filled_apart_fail_without_raising_when_the_fill_process_is_gone(
+        stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer, vocab_size: int, tmp_path: Path) -> None:
+    """A slow grammar's rows are filled apart on a thread of their own; as in-process, a failure there
+    fails those rows (EOS-only masks, their constraints' error) and raises nothing into the step."""
+    fill_process = remote(stored_model_dir, ll_tokenizer, tokenizer, vocab_size, tmp_path)
+    compiler = GrammarCompiler(ll_tokenizer)
+    try:
+        constraint = compiler.new_constraint(compiler.compile_future(json_schema_grammar(SCHEMA)).result())
+        fill_process._process.kill()
+        fill_process._process.join(10)
+        masks = fill_process.fill_apart([ConstrainedRow(constraint, 0, None)])
+    finally:
+        fill_process.close()
+        compiler.close()
+    assert constraint.error is not None and "is gone" in constraint.error
+    allowed = [t for t in range(vocab_size) if masks[0, t // 32] >> (t % 32) & 1]
+    assert allowed == sorted(tokenizer.eos_token_ids)

@@ -14,6 +14,8 @@ copies them from. A row's first fill carries what the row needs there (its gramm
 guard, the tokens forced at its start); an answer carries the rows that failed (their errors) and
 those near their length limit (`closing`). A finished request's constraint is dropped with the
 next fill. Fast-forward past the start is not offered: every sampled token is committed by a fill.
+A fill process that dies or goes silent is replaced (`_replaced`): the constraints it held fail,
+later requests are served as before.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ NewConstraint = tuple[str, Optional[LoopGuardSettings], Optional[tuple[int, froz
 WireRow = tuple[int, Optional[int], Optional[NewConstraint]]
 # An answer: (row position -> error, positions near their length limit, the fill's seconds there).
 Outcome = tuple[dict[int, str], list[int], float]
+# A fill's answer takes milliseconds (a row's first fill may compile its grammar there, within the
+# parser limits): a process silent this long is taken for stuck and replaced, rather than the engine
+# waiting for it for good.
+ANSWER_TIMEOUT_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +92,10 @@ class RemoteMaskPostProcessor(MaskPostProcessor):
         self.spec = spec
         self._shared = shared
         self._process = process
-        self._local = threading.local()  # each calling thread's connection (fill thread, apart threads)
+        self._generation = 0  # the fill process's: each replacement (`_replaced`) counts one
+        self._replacing = threading.Lock()
+        self.answer_timeout_s = ANSWER_TIMEOUT_S
+        self._local = threading.local()  # each calling thread's `_Link` (fill thread, apart threads, engine thread)
         self._lock = threading.Lock()  # the ids below
         self._ids: dict[int, int] = {}  # id(constraint) -> its id in the fill process, once sent
         self._held: dict[int, Constraint] = {}  # by id(constraint): held, so that no other object takes its id
@@ -101,20 +110,20 @@ class RemoteMaskPostProcessor(MaskPostProcessor):
         """Start the fill process and connect to it."""
         shared = SharedMemory(create=True, size=math.prod(get_bitmask_shape(capacity, ll_tokenizer.vocab_size)) * 4)
         spec = FillSpec(model_dir, vocab_size, tuple(eos_token_ids), guidance, capacity, shared.name, address)
-        context = multiprocessing.get_context("spawn")
-        ready, child_ready = context.Pipe(duplex=False)
-        process = context.Process(target=serve, args=(spec, child_ready), name="mask-fill", daemon=True)
-        process.start()
-        if not ready.poll(600) or ready.recv() != "ready":
-            process.kill()
+        try:
+            process = _spawn(spec)
+        except RuntimeError:
             shared.unlink()
-            raise RuntimeError("the mask fill process did not start")
+            raise
         return cls(spec, ll_tokenizer, shared, process)
 
     def precompile(self, grammar: str) -> None:
         """The fill process compiles `grammar` now, as the engine process does (any thread)."""
         with self._lock:
-            self._hints.send(("compile", grammar))
+            try:
+                self._hints.send(("compile", grammar))
+            except OSError:  # the process is gone: its replacement compiles the grammar at its first fill
+                pass
 
     def release(self, constraint: Constraint) -> None:
         """`constraint`'s request finished: the fill process drops it with the next fill."""
@@ -160,13 +169,17 @@ class RemoteMaskPostProcessor(MaskPostProcessor):
         self._reserve(len(rows), keep=0)
         self.phases.begin()
         try:
-            conn = self._send(("fill", 0, self._wire(rows)))
-            return SentFill(self, rows, conn, None, time.perf_counter())
+            link = self._send(("fill", 0, self._wire(rows)))
+            return SentFill(self, rows, link, None, time.perf_counter())
         except RuntimeError as e:
             return SentFill(self, rows, None, e)
 
     def fill_apart(self, rows: Sequence[ConstrainedRow]) -> torch.Tensor:
-        masks, outcome = self._call(("apart", self._wire(rows)))
+        try:
+            masks, outcome = self._call(("apart", self._wire(rows)))
+        except RuntimeError as e:  # as in-process: the rows fail, nothing raises
+            logger.error("mask fill apart failed: %s", e)
+            return self._failed_apart(rows, e)
         self._apply(rows, outcome)
         return torch.frombuffer(bytearray(masks), dtype=torch.int32).view(len(rows), -1)
 
@@ -197,21 +210,89 @@ class RemoteMaskPostProcessor(MaskPostProcessor):
             rows[j].constraint.closing = True  # type: ignore[attr-defined]
 
     def _call(self, message: tuple) -> object:
-        return _answer(self._send(message))
+        return self._receive(self._send(message))
 
-    def _send(self, message: tuple) -> Connection:
+    def _send(self, message: tuple) -> "_Link":
         """`message` sent on the calling thread's connection (the fill process answers each in order)."""
+        generation = self._generation
         try:
-            conn = getattr(self._local, "conn", None)
-            if conn is None:
-                conn = self._local.conn = self._connect()
-            conn.send(message)
-        except (EOFError, OSError) as e:  # every constrained row fails from now on; the others go on
-            raise RuntimeError(f"the mask fill process is gone: {e}") from e
-        return conn
+            link = getattr(self._local, "link", None)
+            if link is None or link.generation != generation:  # first use, or the process was replaced
+                link = self._local.link = _Link(self._connect(), generation)
+            link.conn.send(message)
+        except (EOFError, OSError) as e:
+            raise self._replaced(generation, f"the mask fill process is gone: {e}") from e
+        return link
+
+    def _receive(self, link: "_Link", phases: Optional[StepPhases] = None, sent: float = 0.0) -> object:
+        """The fill process's answer on `link`; its failure raised. With `phases`: the round trip from
+        `sent` in three spans (to the fill process, there, back: each includes its waits)."""
+        try:
+            if not link.conn.poll(self.answer_timeout_s):
+                raise self._replaced(link.generation, "the mask fill process did not answer within "
+                                                      f"{self.answer_timeout_s:g} s")
+            kind, answer, received, answered = link.conn.recv()
+        except (EOFError, OSError) as e:
+            raise self._replaced(link.generation, f"the mask fill process is gone: {e}") from e
+        if phases is not None:
+            phases.add("remote_to", received - sent)
+            phases.add("remote_there", answered - received)
+            phases.add("remote_back", time.perf_counter() - answered)
+        if kind == "error":
+            raise RuntimeError(f"the mask fill process failed: {answer}")
+        return answer
+
+    def _replaced(self, generation: int, why: str) -> RuntimeError:
+        """The fill process of `generation` failed (`why`); unless a thread saw to it already, the
+        constraints it held fail with `why` (their matchers were there) and a fresh process takes the
+        next fills: the step's constrained rows end with an error, later requests are served as
+        before. The error to raise."""
+        with self._replacing:
+            if generation == self._generation:
+                logger.error("%s: the constraints it held fail, a new one starts", why)
+                self._process.kill()
+                self._process.join(10)
+                with self._lock:
+                    for constraint in self._held.values():
+                        constraint.fail(why)  # type: ignore[attr-defined]
+                    self._ids.clear()
+                    self._held.clear()
+                    self._dropped.clear()
+                    try:
+                        self._process = _spawn(self.spec)
+                        self._hints = self._connect()
+                        self._generation += 1
+                    except (RuntimeError, OSError):  # tried again at the next failure
+                        logger.exception("the mask fill process could not be replaced")
+        return RuntimeError(why)
 
     def _connect(self) -> Connection:
         return Client(self.spec.address, family="AF_UNIX")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Link:
+    """A thread's connection to the fill process of `generation` (a replaced process's are stale)."""
+
+    conn: Connection
+    generation: int
+
+
+def _spawn(spec: FillSpec) -> multiprocessing.Process:
+    """A fill process for `spec`, started and listening."""
+    context = multiprocessing.get_context("spawn")
+    ready, child_ready = context.Pipe(duplex=False)
+    process = context.Process(target=serve, args=(spec, child_ready), name="mask-fill", daemon=True)
+    process.start()
+    child_ready.close()  # the child's end: its death reads as end of file here
+    try:
+        started = ready.poll(600) and ready.recv() == "ready"
+    except EOFError:
+        started = False
+    if not started:
+        process.kill()
+        raise RuntimeError("the mask fill process did not start")
+    return process
 
 
 class SentFill:
@@ -221,8 +302,8 @@ class SentFill:
     did not wait for it): the first reads the answer, the others wait for it."""
 
     def __init__(self, processor: RemoteMaskPostProcessor, rows: Sequence[ConstrainedRow],
-                 conn: Optional[Connection], error: Optional[BaseException], sent: float = 0.0) -> None:
-        self._processor, self._rows, self._conn, self._error = processor, rows, conn, error
+                 link: Optional[_Link], error: Optional[BaseException], sent: float = 0.0) -> None:
+        self._processor, self._rows, self._link, self._error = processor, rows, link, error
         self._sent = sent
         # Held while the answer is read: a second reader of the connection would wait for an answer
         # that never comes (the server stalled), and a caller passing a reader early got no answer.
@@ -230,10 +311,10 @@ class SentFill:
 
     def result(self) -> torch.Tensor:
         with self._taking:
-            if self._conn is not None:
-                conn, self._conn = self._conn, None
+            if self._link is not None:
+                link, self._link = self._link, None
                 try:
-                    outcome = _answer(conn, self._processor.phases, self._sent)
+                    outcome = self._processor._receive(link, self._processor.phases, self._sent)
                     self._processor._apply(self._rows, outcome)
                     self._processor._mark_closing(self._rows, 0)  # for `upload`, as `fill` marks its rows
                     metrics.mask_fill_time.observe(outcome[2])  # the fill process's own time
@@ -250,22 +331,6 @@ class SentFill:
         except RuntimeError as e:
             return e
         return None
-
-
-def _answer(conn: Connection, phases: Optional[StepPhases] = None, sent: float = 0.0) -> object:
-    """The fill process's answer on `conn`; its failure raised. With `phases`: the round trip from
-    `sent` in three spans (to the fill process, there, back: each includes its waits)."""
-    try:
-        kind, answer, received, answered = conn.recv()
-    except (EOFError, OSError) as e:
-        raise RuntimeError(f"the mask fill process is gone: {e}") from e
-    if phases is not None:
-        phases.add("remote_to", received - sent)
-        phases.add("remote_there", answered - received)
-        phases.add("remote_back", time.perf_counter() - answered)
-    if kind == "error":
-        raise RuntimeError(f"the mask fill process failed: {answer}")
-    return answer
 
 
 class FillServer:

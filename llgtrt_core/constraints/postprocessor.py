@@ -128,10 +128,14 @@ class MaskPostProcessor:
             self._fill_rows(rows, host, self._apart_pool)
         except Exception as e:
             logger.exception("mask fill apart failed")
-            for j, row in enumerate(rows):
-                row.constraint.fail(f"mask fill failed: {e}")  # type: ignore[attr-defined]
-                host[j] = self._eos_only
+            return self._failed_apart(rows, e)
         return host
+
+    def _failed_apart(self, rows: Sequence[ConstrainedRow], error: Exception) -> torch.Tensor:
+        """`fill_apart`'s answer when it failed: each row fails with `error`, its mask EOS only."""
+        for row in rows:
+            row.constraint.fail(f"mask fill failed: {error}")  # type: ignore[attr-defined]
+        return self._eos_only.repeat(len(rows), 1)
 
     def extend(self, masks: Optional[torch.Tensor], rows: Sequence[ConstrainedRow],
                more: Sequence[torch.Tensor]) -> torch.Tensor:
