@@ -104,3 +104,52 @@ def test_the_fill_process_draws_what_the_fill_in_the_engines_process_does(model_
     assert remote == local
     assert len({len(tokens) for tokens in local}) > 1  # the rows left at different steps
     assert fill_process.gated and set(fill_process.gated) == {device == "cuda"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_token_constrained_requests_between_plain_ones_all_finish(model_dir: Path, device: str,
+                                                                      tmp_path: Path) -> None:
+    """The sequence that stalled a server (session 40): a constrained request ends after one token
+    while its next fill is already sent, and the plain request after it runs a step with no
+    constrained row, whose draw waits for no gate, so two threads ask for that fill's answer. Each
+    request must finish (tests/test_fill_process.py shows the race itself on the CPU)."""
+    tokenizer = Tokenizer(model_dir)
+    eos = sorted(tokenizer.eos_token_ids)
+    ll_tokenizer: llguidance.LLTokenizer = build_ll_tokenizer(tokenizer.hf, TINY_LLAMA3["vocab_size"], eos)
+    model = random_model(ModelConfig.from_hf(TINY_LLAMA3), 512, torch.float32, torch.device(device), seed=3)
+    fill_process = RemoteMaskPostProcessor.start(str(model_dir), ll_tokenizer, TINY_LLAMA3["vocab_size"], eos,
+                                                 LlguidanceConfig(), 4, str(tmp_path / "fill.sock"))
+
+    async def alternate() -> list[tuple[int, str]]:
+        compiler = GrammarCompiler(ll_tokenizer)
+        engine = TorchEngine(model_dir, TorchEngineConfig(device=device, dtype="float32", max_batch_size=4,
+                                                          max_model_len=512, fast_forward=False),
+                             fill_process, model=model)
+        await engine.start()
+        try:
+            compiled = await compiler.compile(json_schema_grammar(SCHEMA))
+            ended = []
+            for i in range(30):
+                constraint = compiler.new_constraint(compiled)
+                for j, (request_constraint, max_tokens) in enumerate(((constraint, 1), (None, 2))):
+                    # No stop token: each request runs to its length.
+                    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+                    request = GenerationRequest(f"r{i}-{j}", list(range(1000 + i, 1020 + i)), sampling,
+                                                request_constraint)
+                    deltas = await asyncio.wait_for(_collect(engine.generate(request)), timeout=60)
+                    ended.append((sum(len(d.token_ids) for d in deltas), deltas[-1].finish_reason))
+                fill_process.release(constraint)  # as the engine process does at a request's end
+            return ended
+        finally:
+            await engine.shutdown()
+            compiler.close()
+
+    try:
+        ended = asyncio.run(alternate())
+    finally:
+        fill_process.close()
+    assert ended == [(1, "length"), (2, "length")] * 30
+
+
+async def _collect(deltas):
+    return [delta async for delta in deltas]
