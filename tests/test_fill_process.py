@@ -168,24 +168,52 @@ def test_a_failed_fill_process_fails_its_constrained_rows_only_and_is_replaced(
     assert_valid(again, tokenizer)
 
 
+def test_a_fill_process_killed_between_requests_costs_no_request(stored_model_dir: Path, ll_tokenizer,
+                                                                 tokenizer: Tokenizer, vocab_size: int,
+                                                                 tmp_path: Path) -> None:
+    """Killed while no fill was on its way, it held no live constraint: the first fill after its death
+    finds it gone, a new one starts, and that fill is sent there; every answer is complete and valid."""
+    fill_process = remote(stored_model_dir, ll_tokenizer, tokenizer, vocab_size, tmp_path)
+    try:
+        assert_valid(run(stored_model_dir, ll_tokenizer, tokenizer, fill_process), tokenizer)
+        first = fill_process._process
+        first.kill()
+        first.join(10)
+        assert_valid(run(stored_model_dir, ll_tokenizer, tokenizer, fill_process), tokenizer)
+        assert fill_process._process is not first and fill_process._process.is_alive()
+    finally:
+        fill_process.close()
+
+
 def test_the_server_runs_the_fill_process_when_configured(bentoml_home: Path, tmp_path: Path) -> None:
     """LLGTRT_FILL_PROCESS=true (by default only where the engine runs on CUDA): the engine process
-    spawns the fill process, and constrained answers through the openai client stay valid."""
+    spawns the fill process, and constrained answers through the openai client stay valid, also
+    after the fill process is killed (a new one serves them)."""
     import openai
 
     with bentoml_serve(".", bentoml_home, tmp_path / "bentoml-serve.log", env={"LLGTRT_FILL_PROCESS": "true"}) as server:
         engines = [p for p in psutil.Process(server.process.pid).children(recursive=True)
                    if "llgtrt_core.engine.core_process" in " ".join(p.cmdline())]
-        assert len(engines) == 1 and any("multiprocessing.spawn" in " ".join(p.cmdline()) for p in engines[0].children()), \
-            server.log_tail()
+
+        def fill_processes() -> list[psutil.Process]:
+            return [p for p in engines[0].children() if "multiprocessing.spawn" in " ".join(p.cmdline())]
+
+        assert len(engines) == 1 and len(fill_processes()) == 1, server.log_tail()
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
-        for question in QUESTIONS[:2]:
+        for question in [*QUESTIONS[:2], "kill", QUESTIONS[0]]:
+            if question == "kill":
+                first = fill_processes()[0]
+                first.kill()
+                while first.is_running() and first.status() != psutil.STATUS_ZOMBIE:  # dead, not yet reaped
+                    time.sleep(0.05)
+                continue
             answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
                                                     response_format=response_format, max_tokens=100, temperature=0)
             assert answer.choices[0].finish_reason == "stop", server.log_tail()
             jsonschema.validate(json.loads(answer.choices[0].message.content), SCHEMA)
+        assert [p.pid for p in fill_processes()] != [first.pid] and len(fill_processes()) == 1
 
 
 def test_a_sent_fill_answers_every_thread_that_asks(stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer,
@@ -219,20 +247,22 @@ def test_a_sent_fill_answers_every_thread_that_asks(stored_model_dir: Path, ll_t
         compiler.close()
 
 
-def test_rows_filled_apart_fail_without_raising_when_the_fill_process_is_gone(
+def test_rows_filled_apart_fail_without_raising_when_the_fill_process_stalls(
         stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer, vocab_size: int, tmp_path: Path) -> None:
     """A slow grammar's rows are filled apart on a thread of their own; as in-process, a failure there
     fails those rows (EOS-only masks, their constraints' error) and raises nothing into the step."""
     fill_process = remote(stored_model_dir, ll_tokenizer, tokenizer, vocab_size, tmp_path)
+    fill_process.answer_timeout_s = 2
     compiler = GrammarCompiler(ll_tokenizer)
     try:
         constraint = compiler.new_constraint(compiler.compile_future(json_schema_grammar(SCHEMA)).result())
-        fill_process._process.kill()
-        fill_process._process.join(10)
-        masks = fill_process.fill_apart([ConstrainedRow(constraint, 0, None)])
+        first = fill_process.fill_apart([ConstrainedRow(constraint, 0, None)])  # the fill process holds it now
+        token = next(t for t in range(vocab_size) if first[0, t // 32] >> (t % 32) & 1)
+        os.kill(fill_process._process.pid, signal.SIGSTOP)
+        masks = fill_process.fill_apart([ConstrainedRow(constraint, 0, token)])
     finally:
         fill_process.close()
         compiler.close()
-    assert constraint.error is not None and "is gone" in constraint.error
+    assert constraint.error is not None and "did not answer within 2 s" in constraint.error
     allowed = [t for t in range(vocab_size) if masks[0, t // 32] >> (t % 32) & 1]
     assert allowed == sorted(tokenizer.eos_token_ids)

@@ -158,7 +158,7 @@ class RemoteMaskPostProcessor(MaskPostProcessor):
     def _fill_rows(self, rows: Sequence[ConstrainedRow], host: torch.Tensor, pool: MaskPool,
                    phases: Optional[StepPhases] = None) -> None:
         offset = (host.data_ptr() - self._host_masks.data_ptr()) // self._row_bytes
-        self._apply(rows, self._call(("fill", offset, self._wire(rows))))
+        self._apply(rows, self._exchange(("fill", offset), rows))
         if phases is not None:
             phases.mark("remote")
 
@@ -169,23 +169,25 @@ class RemoteMaskPostProcessor(MaskPostProcessor):
         self._reserve(len(rows), keep=0)
         self.phases.begin()
         try:
-            link = self._send(("fill", 0, self._wire(rows)))
+            link = self._exchange(("fill", 0), rows, answer=False)
             return SentFill(self, rows, link, None, time.perf_counter())
         except RuntimeError as e:
             return SentFill(self, rows, None, e)
 
     def fill_apart(self, rows: Sequence[ConstrainedRow]) -> torch.Tensor:
         try:
-            masks, outcome = self._call(("apart", self._wire(rows)))
+            masks, outcome = self._exchange(("apart",), rows)
         except RuntimeError as e:  # as in-process: the rows fail, nothing raises
             logger.error("mask fill apart failed: %s", e)
             return self._failed_apart(rows, e)
         self._apply(rows, outcome)
         return torch.frombuffer(bytearray(masks), dtype=torch.int32).view(len(rows), -1)
 
-    def _wire(self, rows: Sequence[ConstrainedRow]) -> tuple[list[int], list[WireRow]]:
-        """The dropped constraints and `rows` as the fill process takes them."""
+    def _wire(self, rows: Sequence[ConstrainedRow]) -> tuple[int, tuple[list[int], list[WireRow]], list[int]]:
+        """The dropped constraints and `rows` as the fill process takes them, with the generation of
+        the process they are for and the constraints (by id) they introduce there."""
         wire: list[WireRow] = []
+        introduced: list[int] = []
         with self._lock:
             dropped, self._dropped = self._dropped, []
             for row in rows:
@@ -196,11 +198,13 @@ class RemoteMaskPostProcessor(MaskPostProcessor):
                     remote = self._ids[key] = self._next_id
                     self._next_id += 1
                     self._held[key] = row.constraint
+                    introduced.append(key)
                     grammar: GrammarConstraint = row.constraint  # type: ignore[assignment]
                     guard = grammar.loop_guard.settings if grammar.loop_guard is not None else None
-                    new = (grammar.grammar, guard, self._starts.pop(key, None), grammar.error)
+                    # Kept until `release`: a replacement process may need the row's start again.
+                    new = (grammar.grammar, guard, self._starts.get(key), grammar.error)
                 wire.append((remote, row.new_token, new))
-        return dropped, wire
+            return self._generation, (dropped, wire), introduced
 
     def _apply(self, rows: Sequence[ConstrainedRow], outcome: Outcome) -> None:
         errors, closing, _ = outcome
@@ -209,31 +213,41 @@ class RemoteMaskPostProcessor(MaskPostProcessor):
         for j in closing:
             rows[j].constraint.closing = True  # type: ignore[attr-defined]
 
-    def _call(self, message: tuple) -> object:
-        return self._receive(self._send(message))
+    def _exchange(self, head: tuple, rows: Sequence[ConstrainedRow], answer: bool = True) -> object:
+        """The message `head` + `rows` wired (`_wire`) sent on the calling thread's connection (the fill
+        process answers each in order), and its answer (or, answer False, the link to take it on). A
+        process found gone, before or after it took the message, or silent, is replaced and the
+        message sent to the new one once more: the rows it introduced start there afresh, those it
+        held before fail with the error (their matchers were there)."""
+        for _ in range(2):
+            generation, wired, introduced = self._wire(rows)
+            try:
+                link = self._send(generation, (*head, wired))
+                return self._receive(link) if answer else link
+            except _Gone as gone:
+                error = self._replaced(generation, str(gone), spare=introduced)
+        raise error
 
-    def _send(self, message: tuple) -> "_Link":
-        """`message` sent on the calling thread's connection (the fill process answers each in order)."""
-        generation = self._generation
+    def _send(self, generation: int, message: tuple) -> "_Link":
         try:
             link = getattr(self._local, "link", None)
             if link is None or link.generation != generation:  # first use, or the process was replaced
                 link = self._local.link = _Link(self._connect(), generation)
             link.conn.send(message)
         except (EOFError, OSError) as e:
-            raise self._replaced(generation, f"the mask fill process is gone: {e}") from e
+            raise _Gone(f"the mask fill process is gone: {e}") from e
         return link
 
     def _receive(self, link: "_Link", phases: Optional[StepPhases] = None, sent: float = 0.0) -> object:
-        """The fill process's answer on `link`; its failure raised. With `phases`: the round trip from
-        `sent` in three spans (to the fill process, there, back: each includes its waits)."""
+        """The fill process's answer on `link`; its failure raised (`_Gone`: it is gone or silent).
+        With `phases`: the round trip from `sent` in three spans (to the fill process, there, back:
+        each includes its waits)."""
         try:
             if not link.conn.poll(self.answer_timeout_s):
-                raise self._replaced(link.generation, "the mask fill process did not answer within "
-                                                      f"{self.answer_timeout_s:g} s")
+                raise _Gone(f"the mask fill process did not answer within {self.answer_timeout_s:g} s")
             kind, answer, received, answered = link.conn.recv()
         except (EOFError, OSError) as e:
-            raise self._replaced(link.generation, f"the mask fill process is gone: {e}") from e
+            raise _Gone(f"the mask fill process is gone: {e}") from e
         if phases is not None:
             phases.add("remote_to", received - sent)
             phases.add("remote_there", answered - received)
@@ -242,17 +256,19 @@ class RemoteMaskPostProcessor(MaskPostProcessor):
             raise RuntimeError(f"the mask fill process failed: {answer}")
         return answer
 
-    def _replaced(self, generation: int, why: str) -> RuntimeError:
+    def _replaced(self, generation: int, why: str, spare: Sequence[int] = ()) -> RuntimeError:
         """The fill process of `generation` failed (`why`); unless a thread saw to it already, the
-        constraints it held fail with `why` (their matchers were there) and a fresh process takes the
-        next fills: the step's constrained rows end with an error, later requests are served as
-        before. The error to raise."""
+        constraints it held fail with `why` (their matchers were there), but for `spare` (by id:
+        those the failed message introduced, sent again), and a fresh process takes the next fills.
+        The error to raise."""
         with self._replacing:
             if generation == self._generation:
                 logger.error("%s: the constraints it held fail, a new one starts", why)
                 self._process.kill()
                 self._process.join(10)
                 with self._lock:
+                    for key in spare:
+                        self._held.pop(key, None)
                     for constraint in self._held.values():
                         constraint.fail(why)  # type: ignore[attr-defined]
                     self._ids.clear()
@@ -268,6 +284,10 @@ class RemoteMaskPostProcessor(MaskPostProcessor):
 
     def _connect(self) -> Connection:
         return Client(self.spec.address, family="AF_UNIX")
+
+
+class _Gone(RuntimeError):
+    """The fill process is gone, or silent past its answer timeout."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +338,8 @@ class SentFill:
                     self._processor._apply(self._rows, outcome)
                     self._processor._mark_closing(self._rows, 0)  # for `upload`, as `fill` marks its rows
                     metrics.mask_fill_time.observe(outcome[2])  # the fill process's own time
+                except _Gone as gone:
+                    self._error = self._processor._replaced(link.generation, str(gone))
                 except RuntimeError as e:
                     self._error = e
                 self._processor.phases.mark("remote")

@@ -75,8 +75,20 @@ class StepFill:
         errors = [future.exception() for future in self.futures]
         return next((e for e in errors if e is not None), None)
 
-    def failed_rows(self) -> set[int]:
-        return {row.row for row in self.rows if row is not None} if self.error() is not None else set()
+    def failures(self) -> dict[int, BaseException]:
+        """Wait for the fills; each logits row of a fill that failed, with its exception. Only that
+        fill's rows: a fill begun ahead for rows that have all left may fail (its process gone)
+        while the rows that joined are filled elsewhere."""
+        failed: dict[int, BaseException] = {}
+        for k, future in enumerate(self.futures):
+            error = future.exception()
+            if error is not None:
+                failed.update((row.row, error) for row in self._filled_by(k) if row is not None)
+        return failed
+
+    def _filled_by(self, k: int) -> list[Optional[ConstrainedRow]]:
+        """futures[k]'s rows: a fill begun ahead holds the first num_ahead (it comes first), the step's own the rest."""
+        return self.rows[:self.num_ahead] if k == 0 and self.num_ahead else self.rows[self.num_ahead:]
 
 
 class ConstraintStage:
@@ -280,11 +292,12 @@ class ConstraintStage:
             self._pool.submit(self._open_after, fill, gate.ticket)
             rows, host = list(fill.rows), self.post_processor.host_masks(len(fill.rows))
         elif fill.futures:
-            error = fill.error()
-            if error is not None:
-                logger.error("mask fill failed", exc_info=error)
-            else:
-                rows, host = list(fill.rows), fill.futures[-1].result()
+            failed = fill.failures()
+            if failed:
+                logger.error("mask fill failed", exc_info=next(iter(failed.values())))
+            # A failed fill's rows are skipped (they end with the error); the others' masks stand.
+            rows = [None if row is None or row.row in failed else row for row in fill.rows]
+            host = self.post_processor.host_masks(len(fill.rows))
         sitting_out = [row.row for row in fill.apart
                        if not self._apart[id(row.constraint)][0].done() and may_sit_out(row.row)]
         if len(sitting_out) == len(running):

@@ -369,11 +369,11 @@ class TorchEngine(Engine):
         if committed:
             self.constraints.tokens_read(sampled.token_ids)
             self.phases.mark("fill_send")
-        failed = fill.failed_rows()
+        failed = fill.failures()
         finished: list[int] = []
         for index, (seq, token, logprob) in enumerate(zip(running, sampled.token_ids, sampled.logprobs)):
             if index in failed:
-                self._finish(seq, "error", error=f"mask fill failed: {fill.error()}")
+                self._finish(seq, "error", error=f"mask fill failed: {failed[index]}")
                 reason: Optional[FinishReason] = "error"
             elif index in sitting_out:
                 seq.length += fed  # the decode queued ahead holds its previous token again
