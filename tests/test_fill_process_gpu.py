@@ -59,20 +59,29 @@ def gated(processor_class: type) -> type:
     return Recording
 
 
+def tiny_parts(model_dir: Path, device: str) -> tuple[list[int], llguidance.LLTokenizer, torch.nn.Module]:
+    """The tiny model's end tokens, llguidance tokenizer and random weights on `device`."""
+    tokenizer = Tokenizer(model_dir)
+    eos = sorted(tokenizer.eos_token_ids)
+    ll_tokenizer = build_ll_tokenizer(tokenizer.hf, TINY_LLAMA3["vocab_size"], eos)
+    return eos, ll_tokenizer, random_model(ModelConfig.from_hf(TINY_LLAMA3), 512, torch.float32, torch.device(device),
+                                           seed=3)
+
+
+def tiny_engine(model_dir: Path, device: str, post_processor: MaskPostProcessor, model: torch.nn.Module) -> TorchEngine:
+    return TorchEngine(model_dir, TorchEngineConfig(device=device, dtype="float32", max_batch_size=4, max_model_len=512,
+                                                    fast_forward=False), post_processor, model=model)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_fill_process_draws_what_the_fill_in_the_engines_process_does(model_dir: Path, device: str,
                                                                           tmp_path: Path) -> None:
-    tokenizer = Tokenizer(model_dir)
-    eos = sorted(tokenizer.eos_token_ids)
-    ll_tokenizer: llguidance.LLTokenizer = build_ll_tokenizer(tokenizer.hf, TINY_LLAMA3["vocab_size"], eos)
-    model = random_model(ModelConfig.from_hf(TINY_LLAMA3), 512, torch.float32, torch.device(device), seed=3)
+    eos, ll_tokenizer, model = tiny_parts(model_dir, device)
 
     def run(post_processor: MaskPostProcessor) -> list[list[int]]:
         async def generate() -> list[list[int]]:
             compiler = GrammarCompiler(ll_tokenizer)
-            engine = TorchEngine(model_dir, TorchEngineConfig(device=device, dtype="float32", max_batch_size=4,
-                                                              max_model_len=512, fast_forward=False),
-                                 post_processor, model=model)
+            engine = tiny_engine(model_dir, device, post_processor, model)
             await engine.start()
             try:
                 compiled = await compiler.compile(json_schema_grammar(SCHEMA))
@@ -113,18 +122,13 @@ def test_one_token_constrained_requests_between_plain_ones_all_finish(model_dir:
     while its next fill is already sent, and the plain request after it runs a step with no
     constrained row, whose draw waits for no gate, so two threads ask for that fill's answer. Each
     request must finish (tests/test_fill_process.py shows the race itself on the CPU)."""
-    tokenizer = Tokenizer(model_dir)
-    eos = sorted(tokenizer.eos_token_ids)
-    ll_tokenizer: llguidance.LLTokenizer = build_ll_tokenizer(tokenizer.hf, TINY_LLAMA3["vocab_size"], eos)
-    model = random_model(ModelConfig.from_hf(TINY_LLAMA3), 512, torch.float32, torch.device(device), seed=3)
+    eos, ll_tokenizer, model = tiny_parts(model_dir, device)
     fill_process = RemoteMaskPostProcessor.start(str(model_dir), ll_tokenizer, TINY_LLAMA3["vocab_size"], eos,
                                                  LlguidanceConfig(), 4, str(tmp_path / "fill.sock"))
 
     async def alternate() -> list[tuple[int, str]]:
         compiler = GrammarCompiler(ll_tokenizer)
-        engine = TorchEngine(model_dir, TorchEngineConfig(device=device, dtype="float32", max_batch_size=4,
-                                                          max_model_len=512, fast_forward=False),
-                             fill_process, model=model)
+        engine = tiny_engine(model_dir, device, fill_process, model)
         await engine.start()
         try:
             compiled = await compiler.compile(json_schema_grammar(SCHEMA))
