@@ -70,10 +70,10 @@ class StepFill:
     num_ahead: int = 0  # the first rows, filled by the fill begun ahead (it committed their tokens)
     apart: list[ConstrainedRow] = field(default_factory=list)  # rows whose mask is filled apart (slow grammars)
 
-    def error(self) -> Optional[BaseException]:
-        """Wait for the fills; the first exception one raised, if any."""
-        errors = [future.exception() for future in self.futures]
-        return next((e for e in errors if e is not None), None)
+    def wait(self) -> None:
+        """Wait for the fills, failed or not (`failures` says which rows failed)."""
+        for future in self.futures:
+            future.exception()
 
     def failures(self) -> dict[int, BaseException]:
         """Wait for the fills; each logits row of a fill that failed, with its exception. Only that
@@ -313,7 +313,7 @@ class ConstraintStage:
     def _open_after(self, fill: StepFill, ticket: int) -> None:
         """On the fill's thread: once the step's fills are done, let the copy of their masks go."""
         try:
-            fill.error()
+            fill.wait()
         finally:
             self._gate.open(ticket)
 

@@ -343,10 +343,10 @@ class TorchEngine(Engine):
             if self._ran and self.runner.kernel_threads is not None:  # logging: steps whose matmuls shared threads so far
                 self._ran["shared_steps"] = self.runner.kernel_threads.num_shared_steps
         except BaseException:
-            fill.error()  # the step fails: its fill must be done with the matchers first
+            fill.wait()  # the step fails: its fill must be done with the matchers first
             raise
         if logits is None or not self.constraints.device_waits:
-            fill.error()  # else the draw's masks are waited for on the device (constraint_stage.py)
+            fill.wait()  # else the draw's masks are waited for on the device (constraint_stage.py)
         self.phases.mark("fill_wait")
         self._emit_prefilled(plan)
         if logits is None:  # only part of a prompt ran: nothing to sample
