@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from llgtrt_core.config import LlguidanceConfig
-from llgtrt_core.constraints import GrammarCompiler, build_ll_tokenizer
+from llgtrt_core.constraints import GrammarCompiler, GrammarConstraint, build_ll_tokenizer
 from llgtrt_core.constraints.fill_process import RemoteMaskPostProcessor
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor
 from llgtrt_core.constraints.request_grammar import json_schema_grammar
@@ -31,6 +31,7 @@ from llgtrt_core.engine.torch_engine_config import TorchEngineConfig
 from llgtrt_core.tokenizer import Tokenizer
 from tests.bento_server import bentoml_serve
 from tests.test_fast_forward import SCHEMA, tokenizer  # noqa: F401 (the fixture: the default model's)
+from tests.test_loop_guard import allowed
 
 QUESTIONS = ["Describe a person as JSON.", "Who lives in Berlin? Answer in JSON.", "Write a haiku about the sea."]
 
@@ -55,6 +56,11 @@ def remote(stored_model_dir: Path, ll_tokenizer, tokenizer: Tokenizer, vocab_siz
     return RemoteMaskPostProcessor.start(str(stored_model_dir), ll_tokenizer, vocab_size,
                                          sorted(tokenizer.eos_token_ids), LlguidanceConfig(), 4,
                                          str(tmp_path / "fill.sock"))
+
+
+def schema_constraint(compiler: GrammarCompiler) -> GrammarConstraint:
+    """A fresh constraint of SCHEMA's grammar, compiled by `compiler`."""
+    return compiler.new_constraint(compiler.compile_future(json_schema_grammar(SCHEMA)).result())
 
 
 Result = tuple[list[int], Optional[str], Optional[str]]
@@ -226,7 +232,7 @@ def test_a_sent_fill_answers_every_thread_that_asks(stored_model_dir: Path, ll_t
     compiler = GrammarCompiler(ll_tokenizer)
     callers = ThreadPoolExecutor(2)
     try:
-        constraint = compiler.new_constraint(compiler.compile_future(json_schema_grammar(SCHEMA)).result())
+        constraint = schema_constraint(compiler)
         os.kill(fill_process._process.pid, signal.SIGSTOP)  # the answer held back
         try:
             sent = fill_process.send_fill([ConstrainedRow(constraint, 0, None)])
@@ -255,14 +261,13 @@ def test_rows_filled_apart_fail_without_raising_when_the_fill_process_stalls(
     fill_process.answer_timeout_s = 2
     compiler = GrammarCompiler(ll_tokenizer)
     try:
-        constraint = compiler.new_constraint(compiler.compile_future(json_schema_grammar(SCHEMA)).result())
+        constraint = schema_constraint(compiler)
         first = fill_process.fill_apart([ConstrainedRow(constraint, 0, None)])  # the fill process holds it now
-        token = next(t for t in range(vocab_size) if first[0, t // 32] >> (t % 32) & 1)
+        token = allowed(first[0])[0]
         os.kill(fill_process._process.pid, signal.SIGSTOP)
         masks = fill_process.fill_apart([ConstrainedRow(constraint, 0, token)])
     finally:
         fill_process.close()
         compiler.close()
     assert constraint.error is not None and "did not answer within 2 s" in constraint.error
-    allowed = [t for t in range(vocab_size) if masks[0, t // 32] >> (t % 32) & 1]
-    assert allowed == sorted(tokenizer.eos_token_ids)
+    assert allowed(masks[0]) == sorted(tokenizer.eos_token_ids)
