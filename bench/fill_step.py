@@ -120,8 +120,8 @@ def main() -> None:
     grammars = compiled_draw(compiler, args.data, seed, args.schemas)
     slow_s = LlguidanceConfig().slow_mask_ms / 1e3
     if args.per_row:  # as the server's compiler marks them
-        slow = [grammar for grammar in grammars
-                if probe_cost(probe_grammar(grammar.matcher, grammar.grammar, [EOT_ID], args.probe_tokens)) >= slow_s]
+        walks = [probe_grammar(grammar.matcher, grammar.grammar, [EOT_ID], args.probe_tokens) for grammar in grammars]
+        slow = [grammar for grammar, walk in zip(grammars, walks) if probe_cost(walk.times) >= slow_s]
         for grammar in slow:
             grammar.mask_cost.mark_slow()
         print(f"{len(slow)} of {len(grammars)} grammars slow by a {args.probe_tokens}-token probe: filled apart")

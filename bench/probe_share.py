@@ -42,7 +42,7 @@ def main() -> None:
         grammar = compiled(compiler, schema)
         if grammar is None:
             continue
-        times = probe_grammar(grammar.matcher, grammar.grammar, [EOT_ID])
+        times = probe_grammar(grammar.matcher, grammar.grammar, [EOT_ID]).times
         walked += 1
         by_start += statistics.fmean(times[:PROBE_START_TOKENS]) >= slow_s
         by_walk += statistics.fmean(times) >= slow_s

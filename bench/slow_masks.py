@@ -95,7 +95,8 @@ def main() -> None:
         grammar = compiled(compiler, candidates[name])
         if grammar is None:
             continue
-        first, *later = [mask_probe_seconds(grammar.matcher, args.steps, rng, [EOT_ID]) for _ in range(args.walks)]
+        walks = [mask_probe_seconds(grammar.matcher, args.steps, rng, [EOT_ID]) for _ in range(args.walks)]
+        first, *later = [walk.times for walk in walks]
         later_times = [t for walk in later for t in walk]
         rows.append({"name": name, "first_walk_mean_ms": 1e3 * statistics.mean(first),
                      "later_walks_mean_ms": 1e3 * statistics.mean(later_times) if later_times else None,

@@ -23,6 +23,7 @@ from llgtrt_core.config import LlguidanceConfig
 from llgtrt_core.constraints.mask_probe import (PROBE_START_TOKENS, PROBE_TOKENS, draw_allowed, mask_probe_seconds,
                                                 probe_cost)
 from llgtrt_core.constraints.request_grammar import json_schema_grammar
+from tests.test_constraints_postprocessor import WORD_COUNT
 
 BYTES = llguidance.LLTokenizer("byte")
 DIGITS = llguidance.LLMatcher.grammar_from_regex("[0-9]+")
@@ -166,11 +167,11 @@ def test_each_request_gets_its_own_matcher_state():
 
 def test_a_mask_probe_walks_a_copy_on_allowed_tokens_until_the_grammar_ends():
     compiled = run(GrammarCompiler(BYTES).compile(DIGITS))
-    times = mask_probe_seconds(compiled.matcher, 16, random.Random(0), [BYTES.eos_token])
+    times = mask_probe_seconds(compiled.matcher, 16, random.Random(0), [BYTES.eos_token]).times
     assert len(times) == 16 and all(t > 0 for t in times)  # digits go on: EOS avoided while a digit is allowed
     assert compiled.matcher.validate_tokens(list(b"9")) == 1  # the template was never advanced
     short = run(GrammarCompiler(BYTES).compile(llguidance.LLMatcher.grammar_from_regex("ab")))
-    assert 2 <= len(mask_probe_seconds(short.matcher, 16, random.Random(0), [BYTES.eos_token])) < 16
+    assert 2 <= len(mask_probe_seconds(short.matcher, 16, random.Random(0), [BYTES.eos_token]).times) < 16
 
 
 def test_a_probe_draws_each_allowed_token_alike_and_an_avoided_one_only_when_alone():
@@ -221,6 +222,19 @@ def test_a_new_grammar_whose_masks_are_slow_is_marked_and_warned_of(caplog):
     assert GrammarCompiler.from_config(BYTES, LlguidanceConfig()).slow_mask_s == 0.0005  # llguidance.slow_mask_ms
     assert GrammarCompiler.from_config(BYTES, LlguidanceConfig(slow_mask_ms=None)).slow_mask_s is None
     assert GrammarCompiler(BYTES).slow_mask_s is None
+
+
+def test_a_probe_that_breaks_the_shared_lexer_has_the_grammar_compiled_afresh(caplog):
+    """The probe walks a copy of the template, whose lexer every request's copy shares: a walk
+    that runs it out of fuel would fail each later request at its first token."""
+    compiler = GrammarCompiler(BYTES, slow_mask_s=0.0)
+    with caplog.at_level(logging.WARNING, logger="llgtrt_core.constraints.grammar"):
+        probed = run(compiler.compile(WORD_COUNT))
+        compiler._probes.shutdown(wait=True)
+    assert [r.getMessage() for r in caplog.records if "lexer failed on the probe" in r.getMessage()]
+    assert not probed.mask_cost.slow  # a failed walk judges no cost
+    fresh = run(compiler.compile(WORD_COUNT))
+    assert fresh is not probed and compiler.new_constraint(fresh).matcher.consume_token(ord("{"))
 
 
 def test_request_grammar_and_its_constraint():

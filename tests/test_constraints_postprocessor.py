@@ -1,5 +1,6 @@
 """MaskPostProcessor on CPU logits: masking, commit-then-mask, row mapping, EOS at the end,
-and per-row error isolation (rejected tokens, bad ids, a parser limit hit mid-generation)."""
+and per-row error isolation (rejected tokens, bad ids, a parser limit hit mid-generation, a lexer
+out of fuel)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 from llgtrt_core.constraints import GrammarCompiler, GrammarConstraint
 from llgtrt_core.constraints.loop_guard import EscapeMasks, _mask_row
 from llgtrt_core.constraints.postprocessor import MaskPostProcessor, eos_only_mask
+from llgtrt_core.constraints.request_grammar import json_schema_grammar
 from llgtrt_core.engine.interface import ConstrainedRow
 
 BYTES = llguidance.LLTokenizer("byte")
@@ -135,6 +137,36 @@ def test_a_parser_limit_hit_mid_generation_ends_that_request_with_an_error(proce
     assert runaway.error and "Too many items" in runaway.error
     assert allowed(logits[0]) == {EOS}
     assert bystander.error is None and allowed(logits[1]) == {ord("a"), EOS}
+
+
+# MaskBench's Github_easy---o21053 (a word-count `pattern` under a large `maxLength`): llguidance's lexer
+# runs out of its per-token fuel a few characters into the string, whatever they are.
+WORD_COUNT = json_schema_grammar({"type": "object", "required": ["q"], "additionalProperties": False, "properties": {
+    "q": {"type": "string", "minLength": 1, "maxLength": 5000, "pattern": "^$|(^(?:\\S+\\s+){0,99}\\S+$)"}}})
+
+
+def test_a_lexer_out_of_fuel_ends_its_request_naming_the_limit_and_its_grammar_is_compiled_afresh(processor):
+    """Every copy of a compiled grammar shares its lexer, which fails for good: the next request
+    handed a copy of it failed at its first token. It gets a fresh compile instead."""
+    compiler = GrammarCompiler(BYTES)
+    compiled = asyncio.run(compiler.compile(WORD_COUNT))
+    first = compiler.new_constraint(compiled)
+    for token in [None, *b'{"q":"ab cd ef']:
+        processor([ConstrainedRow(first, 0, token)], torch.zeros(1, VOCAB))
+        if first.error:
+            break
+    assert first.error and first.error.startswith("lexer error: too many expressions constructed")
+    assert "llguidance.limits.step_lexer_fuel" in first.error and "non-verbose" not in first.error
+    assert not compiler.new_constraint(compiled).matcher.consume_token(ord("{"))  # a copy of the failed one
+    fresh = asyncio.run(compiler.compile(WORD_COUNT))
+    assert fresh is not compiled and asyncio.run(compiler.compile(WORD_COUNT)) is fresh  # cached again
+    second = compiler.new_constraint(fresh)
+    for token in [None, *b'{"q":"']:
+        processor([ConstrainedRow(second, 0, token)], torch.zeros(1, VOCAB))
+    assert second.error is None
+    relayed = compiler.new_constraint(fresh)  # the engine process's row, failed in the fill process
+    relayed.fail(first.error)
+    assert relayed.error == first.error
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -3,7 +3,8 @@ hand out a fresh matcher per request.
 
 Compiling a grammar means building an `LLMatcher` for the model's tokenizer: that validates
 it (within the parser limits) and builds its lexer, which is the costly part. The compiled
-matcher is never advanced; each request gets a `deep_copy` of it (microseconds).
+matcher is never advanced; each request gets a `deep_copy` of it (microseconds), which shares its
+lexer: once that lexer fails (out of its limits), the grammar is compiled afresh (`SharedLexer`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_ERROR_CHARS = 4000  # llguidance's messages can quote a whole grammar; keep 400 bodies sane
+LEXER_ERROR = "lexer error"  # how llguidance's messages begin when the lexer itself failed
+# llguidance's lexer failures, and the limit each one passed
+LEXER_LIMITS = {"too many expressions constructed": "its work for one token passed llguidance.limits.step_lexer_fuel "
+                                                    "(a string `pattern` with a large `maxLength` can)",
+                "too many states": "its states passed llguidance.limits.max_lexer_states"}
 
 
 def build_ll_tokenizer(
@@ -92,6 +98,17 @@ class MaskCost:
         self.slow = MaskCost.any_slow = True
 
 
+class SharedLexer:
+    """The lexer every copy of one compiled grammar shares (`LLMatcher.deep_copy` does not copy it).
+    Out of fuel or states it fails for good, and every copy with it at its next token: so a grammar
+    whose lexer failed is not handed out again but compiled afresh (`GrammarCompiler`)."""
+
+    __slots__ = ("failed",)
+
+    def __init__(self) -> None:
+        self.failed = False
+
+
 @dataclass(frozen=True)
 class CompiledGrammar:
     grammar: str
@@ -101,6 +118,7 @@ class CompiledGrammar:
     # rather than for every request as it is admitted; None: not known.
     start_forced: Optional[tuple[int, ...]] = None
     mask_cost: MaskCost = field(default_factory=MaskCost, repr=False, compare=False)
+    lexer: SharedLexer = field(default_factory=SharedLexer, repr=False, compare=False)
 
 
 class GrammarText:
@@ -124,19 +142,37 @@ class GrammarText:
 class GrammarConstraint(GrammarText):
     """One request's matcher state, for an engine in this process."""
 
-    __slots__ = ("matcher", "loop_guard", "start_forced", "mask_cost", "closing")
+    __slots__ = ("matcher", "loop_guard", "start_forced", "mask_cost", "lexer", "closing")
 
     def __init__(self, matcher: LLMatcher, grammar: str = "", param: Optional[str] = None,
                  loop_guard: Optional[LoopGuard] = None, start_forced: Optional[tuple[int, ...]] = None,
-                 mask_cost: Optional[MaskCost] = None) -> None:
+                 mask_cost: Optional[MaskCost] = None, lexer: Optional[SharedLexer] = None) -> None:
         super().__init__(grammar, param)
         self.matcher = matcher
         self.start_forced = start_forced  # CompiledGrammar.start_forced, while the matcher is at its start
         self.loop_guard = loop_guard  # steers the answer out of a loop (constraints/loop_guard.py)
         self.mask_cost = mask_cost or MaskCost()  # its grammar's, once probed
+        self.lexer = lexer or SharedLexer()  # its grammar's
         # Near its length limit (its loop guard's `closing`, for good): the post-processor narrows its
         # masks where it uploads them. A plain attribute: read for every row of every upload.
         self.closing = False
+
+    def fail(self, message: str) -> None:
+        """A lexer's failure is its grammar's from now on (`SharedLexer`); the message names the limit."""
+        if message.startswith(LEXER_ERROR) and self.error is None:
+            self.lexer.failed = True
+            message = _with_lexer_limit(message)
+        super().fail(message)
+
+
+def _with_lexer_limit(message: str) -> str:
+    """llguidance's lexer failure, with the limit it passed (the config key to raise) where known; once
+    (the engine process hears of a row's failure in the fill process as that process worded it)."""
+    first_line = message.split("\n", 1)[0]
+    for failure, limit in LEXER_LIMITS.items():
+        if failure in first_line and limit not in first_line:
+            return f"{first_line}: {limit}"
+    return message
 
 
 def _first_mask_error(message: str) -> str:
@@ -234,6 +270,9 @@ class GrammarCompiler:
         however many requests wait on it. Its result goes through `checked`."""
         with self._lock:
             result = self._cache.get(grammar)
+            if isinstance(result, CompiledGrammar) and result.lexer.failed:
+                del self._cache[grammar]  # every copy of it would fail at its next token: compile afresh
+                result = None
             if result is not None:
                 self._cache.move_to_end(grammar)
                 future: concurrent.futures.Future = concurrent.futures.Future()
@@ -291,7 +330,7 @@ class GrammarCompiler:
                        loop_guard: Optional[LoopGuardSettings] = None) -> GrammarConstraint:
         guard = LoopGuard(loop_guard) if loop_guard is not None else None
         return GrammarConstraint(compiled.matcher.deep_copy(), compiled.grammar, param, guard, compiled.start_forced,
-                                 compiled.mask_cost)
+                                 compiled.mask_cost, compiled.lexer)
 
     def close(self) -> None:
         for pool in (self._pool, self._probes):
@@ -320,10 +359,16 @@ class GrammarCompiler:
         """Mark a grammar whose masks are slow, and say so: the engine fills its rows apart from the
         batch's, and its requests' tokens come slower than the others' (a step does not wait for them)."""
         try:
-            times = probe_grammar(compiled.matcher, compiled.grammar, self.tokenizer.eos_tokens)
+            walk = probe_grammar(compiled.matcher, compiled.grammar, self.tokenizer.eos_tokens)
         except Exception:  # llguidance refusing a step: the request that takes it finds out
             logger.debug("mask probe failed", exc_info=True)
             return
+        if walk.error is not None and walk.error.startswith(LEXER_ERROR):
+            compiled.lexer.failed = True  # the probe's walk broke the lexer the requests' copies share
+            logger.warning("a grammar's lexer failed on the probe's walk (%s): its next request compiles it afresh; "
+                           "the grammar begins %r", _with_lexer_limit(walk.error), compiled.grammar[:160])
+            return
+        times = walk.times
         mean = probe_cost(times)
         if mean >= self.slow_mask_s:
             compiled.mask_cost.mark_slow()

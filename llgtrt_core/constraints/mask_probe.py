@@ -13,7 +13,7 @@ import random
 import statistics
 import time
 import zlib
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 from llguidance import LLMatcher
@@ -27,8 +27,13 @@ PROBE_START_TOKENS = 16
 _BITS_IN_BYTE = np.array([bin(byte).count("1") for byte in range(256)], dtype=np.int64)
 
 
+class ProbeWalk(NamedTuple):
+    times: list[float]  # each mask's computation time, in seconds
+    error: Optional[str]  # llguidance's, where the walk ended on one
+
+
 def probe_grammar(template: LLMatcher, grammar: str, avoided: Sequence[int] = (),
-                  tokens: int = PROBE_TOKENS) -> list[float]:
+                  tokens: int = PROBE_TOKENS) -> ProbeWalk:
     """The compiler's probe of a grammar (`grammar`, its text, seeds the walk: the same walk each time)."""
     return mask_probe_seconds(template, tokens, random.Random(zlib.crc32(grammar.encode())), avoided)
 
@@ -40,7 +45,7 @@ def probe_cost(times: Sequence[float]) -> float:
 
 
 def mask_probe_seconds(template: LLMatcher, tokens: int, rng: random.Random,
-                       avoided: Sequence[int] = ()) -> list[float]:
+                       avoided: Sequence[int] = ()) -> ProbeWalk:
     """Each mask's computation time along one walk of up to `tokens` tokens from `template`'s state
     (a copy walks; the lexer states it builds stay with the grammar), each token drawn uniformly from
     those its mask allows, `avoided` (EOS) aside while another is allowed: as a model's choice falls
@@ -56,7 +61,7 @@ def mask_probe_seconds(template: LLMatcher, tokens: int, rng: random.Random,
         token = draw_allowed(np.frombuffer(mask, dtype=np.uint8), rng, avoided)
         if token is None or not matcher.consume_token(token):
             break
-    return times
+    return ProbeWalk(times, matcher.get_error() if matcher.is_error() else None)
 
 
 def draw_allowed(mask: np.ndarray, rng: random.Random, avoided: Sequence[int] = ()) -> Optional[int]:
