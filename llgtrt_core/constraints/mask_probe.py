@@ -49,7 +49,7 @@ def mask_probe_seconds(template: LLMatcher, tokens: int, rng: random.Random,
     """Each mask's computation time along one walk of up to `tokens` tokens from `template`'s state
     (a copy walks; the lexer states it builds stay with the grammar), each token drawn uniformly from
     those its mask allows, `avoided` (EOS) aside while another is allowed: as a model's choice falls
-    anywhere the mask allows. Ends early at the grammar's end or an error."""
+    anywhere the mask allows. Ends early at the grammar's end or an error (llguidance's, in `error`)."""
     matcher = template.deep_copy()
     times: list[float] = []
     for _ in range(tokens):
