@@ -8,7 +8,8 @@ tokenizer, then walked `--walks` times for up to `--steps` tokens, each token dr
 those its mask allows (EOS aside), as a random-weight model's argmax falls anywhere the mask allows;
 each mask computation is timed on one thread. The walks share the compiled grammar, whose lexer
 states persist: the first walk pays for the states it builds (a schema's first requests), later
-ones mostly reuse them.
+ones mostly reuse them. Walks that end on an llguidance error (a lexer out of its per-token fuel)
+are listed by schema; a lexer that failed fails the later walks of its grammar at their first token.
 
     python3 bench/slow_masks.py --schemas 1500                   # a random draw of the pool (seed printed)
     python3 bench/slow_masks.py --run constrained_tbt.json       # the schemas of a constrained_tbt run
@@ -100,7 +101,9 @@ def main() -> None:
         later_times = [t for walk in later for t in walk]
         rows.append({"name": name, "first_walk_mean_ms": 1e3 * statistics.mean(first),
                      "later_walks_mean_ms": 1e3 * statistics.mean(later_times) if later_times else None,
-                     "max_ms": 1e3 * max(first + later_times), "masks": len(first) + len(later_times)})
+                     "max_ms": 1e3 * max(first + later_times), "masks": len(first) + len(later_times),
+                     "errors": [(i, len(walk.times), walk.error.split("\n", 1)[0])
+                                for i, walk in enumerate(walks) if walk.error is not None]})
     rows.sort(key=lambda row: -row["first_walk_mean_ms"])
     print(f"{len(rows)} of {len(names)} schemas compiled; {compiler.tokenizer.vocab_size} tokens; "
           f"{args.walks} walks of up to {args.steps} tokens each")
@@ -114,6 +117,11 @@ def main() -> None:
         share = sum(m >= limit for m in means) / len(means)
         odds = "" if args.run else f"; a random draw of 128 holds one with probability {1 - (1 - share) ** 128:.0%}"
         print(f">= {limit} ms: {share:.2%} of the schemas{odds}")
+    failed = [row for row in rows if row["errors"]]
+    print(f"schemas whose walks ended on an llguidance error: {len(failed)}")
+    for row in failed:
+        walk, masks, error = row["errors"][0]
+        print(f"  {row['name']}: {len(row['errors'])} of {args.walks} walks; walk {walk} after {masks} masks: {error}")
     if args.json is not None:
         args.json.write_text(json.dumps({"seed": seed, "args": {k: str(v) for k, v in vars(args).items()},
                                          "schemas": rows}, indent=1))
