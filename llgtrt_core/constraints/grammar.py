@@ -159,15 +159,19 @@ class GrammarConstraint(GrammarText):
 
     def fail(self, message: str) -> None:
         """A lexer's failure is its grammar's from now on (`SharedLexer`); the message names the limit."""
-        if message.startswith(LEXER_ERROR) and self.error is None:
+        lexer_failure = _lexer_failure(message) if self.error is None else None
+        if lexer_failure is not None:
             self.lexer.failed = True
-            message = _with_lexer_limit(message)
+            message = lexer_failure
         super().fail(message)
 
 
-def _with_lexer_limit(message: str) -> str:
-    """llguidance's lexer failure, with the limit it passed (the config key to raise) where known; once
-    (the engine process hears of a row's failure in the fill process as that process worded it)."""
+def _lexer_failure(message: str) -> Optional[str]:
+    """llguidance's message if its lexer failed (None if not), with the limit it passed (the config key
+    to raise) where known; once (the engine process hears of a row's failure in the fill process as
+    that process worded it)."""
+    if not message.startswith(LEXER_ERROR):
+        return None
     first_line = message.split("\n", 1)[0]
     for failure, limit in LEXER_LIMITS.items():
         if failure in first_line and limit not in first_line:
@@ -363,10 +367,11 @@ class GrammarCompiler:
         except Exception:  # llguidance refusing a step: the request that takes it finds out
             logger.debug("mask probe failed", exc_info=True)
             return
-        if walk.error is not None and walk.error.startswith(LEXER_ERROR):
+        lexer_failure = _lexer_failure(walk.error) if walk.error is not None else None
+        if lexer_failure is not None:
             compiled.lexer.failed = True  # the probe's walk broke the lexer the requests' copies share
             logger.warning("a grammar's lexer failed on the probe's walk (%s): its next request compiles it afresh; "
-                           "the grammar begins %r", _with_lexer_limit(walk.error), compiled.grammar[:160])
+                           "the grammar begins %r", lexer_failure, compiled.grammar[:160])
             return
         times = walk.times
         mean = probe_cost(times)
